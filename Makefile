@@ -1,0 +1,34 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+# Both create .venv and install everything first (once; again when pyproject.toml changes).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU build of torch that pip takes from local disk here; a CUDA machine keeps its own torch.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_PIN)"
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+serve: $(STAMP)
+	$(BIN)/stallfree serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
