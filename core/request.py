@@ -1,0 +1,147 @@
+"""One request's state: its tokens, its place in the state machine, its timestamps.
+
+A request's progress is one number, ``num_computed_tokens``: how many of its
+tokens (prompt, then generated) have their KV in the cache. Prefill, chunked
+prefill, decode and recompute after preemption are all "catch up to
+``num_tokens``"; the status says which pass of the scheduler serves it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued, or preempted and queued again for recompute
+    PREFILLING = 1  # admitted; prompt (or recompute) only partly in the KV cache
+    DECODING = 2  # prompt done; one new token per iteration
+    FINISHED_STOPPED = 3  # sampled a stop token
+    FINISHED_LENGTH = 4  # reached max_tokens or the context limit
+    FINISHED_ABORTED = 5  # cancelled by the client or the gateway
+    FINISHED_ERROR = 6  # the runner failed on a batch holding this request
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What the caller asked for; validated before a request reaches the engine."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError("max_tokens must be an integer >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError("top_p must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 disables it)")
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One slice of a prefill (or recompute) processed in one iteration."""
+
+    iteration: int
+    start_ns: int
+    end_ns: int
+    tokens: int
+    prefix_len: int  # tokens already in the KV cache when the chunk ran
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Monotonic timestamps (perf_counter_ns) of one request's life.
+
+    Every interval reported anywhere (spans, metrics, done frames) is a
+    difference of these; see ``core.stats.request_timings``.
+    """
+
+    arrival_ns: int
+    scheduled_ns: int | None = None  # first time any of its tokens ran
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    token_ns: list[int] = field(default_factory=list)  # one per generated token
+    # per generated token after the first: did the iteration that produced it
+    # also carry another request's prefill chunk (a "stall" gap)?
+    gap_with_prefill: list[bool] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_ns: int
+    priority: int = 0  # lower runs earlier, as in vLLM
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    # KV state, owned by the BlockManager
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    reserved_blocks: int = 0
+    admit_seq: int = 0  # admission order among running requests (newest = largest)
+    timeline: Timeline = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timeline = Timeline(arrival_ns=self.arrival_ns)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids in positions [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,51 @@
+"""Small builders shared by the engine tests: requests, and engines on SimRunner."""
+
+from __future__ import annotations
+
+import random
+
+from core.config import CacheConfig, SchedulerConfig
+from core.cost_model import CostModel
+from core.engine import Engine
+from core.request import Request, SamplingParams
+from core.runner import SimRunner, VirtualClock
+
+
+def tokens(seed: object, n: int) -> list[int]:
+    rng = random.Random(str(seed))
+    return [rng.randrange(17, 32000) for _ in range(n)]
+
+
+def request(
+    rid: str, prompt: int | list[int], max_tokens: int = 8, arrival_ns: int = 0, priority: int = 0, **sampling
+) -> Request:
+    ids = prompt if isinstance(prompt, list) else tokens(rid, prompt)
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens, **sampling), arrival_ns, priority)
+
+
+def sim_engine(num_blocks: int = 256, block_size: int = 4, prefix_caching: bool = True, **sched) -> Engine:
+    """An engine on SimRunner with a virtual clock (engine.clock)."""
+    clock = VirtualClock()
+    cost = CostModel(attention=True)
+    runner = SimRunner(cost, block_size, clock)
+    sched.setdefault("max_num_seqs", 8)
+    sched.setdefault("token_budget", 32)
+    return Engine(
+        SchedulerConfig(**sched),
+        CacheConfig(num_blocks, block_size, prefix_caching),
+        runner,
+        clock,
+        chunk_limit=cost.level_chunk,
+    )
+
+
+def run_to_completion(engine: Engine, max_steps: int = 100_000) -> list:
+    """Step until idle; returns the StepOutputs."""
+    outs = []
+    for _ in range(max_steps):
+        if not engine.has_work:
+            return outs
+        out = engine.step()
+        if out is not None:
+            outs.append(out)
+    raise AssertionError("engine did not drain")

@@ -1,0 +1,112 @@
+"""Paged KV blocks: prefix hits, sharing, eviction order, reservations, conservation."""
+
+from core.block_manager import BlockManager
+from tests.simkit import request
+
+
+def admitted(bm: BlockManager, req, reserve: int | None = None):
+    assert bm.admit(req, req.num_tokens if reserve is None else reserve)
+    return req
+
+
+def compute_all(bm: BlockManager, req) -> None:
+    """Pretend the whole request ran: allocate and register its blocks."""
+    assert bm.allocate(req, req.num_pending_tokens)
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_computed(req)
+
+
+def test_prefix_hit_reuses_full_blocks_only():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    shared = list(range(100, 110))  # 2 full blocks + 2 tokens
+    a = admitted(bm, request("a", [*shared, 1, 2]))
+    compute_all(bm, a)
+    b = admitted(bm, request("b", [*shared, 7, 8, 9]))
+    assert b.num_computed_tokens == 8  # the two full blocks, not the partial third
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert bm.blocks[a.block_ids[0]].ref_count == 2
+    assert bm.prefix_hit_tokens == 8
+
+
+def test_hit_never_covers_the_last_token():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(200, 208))  # exactly 2 blocks
+    a = admitted(bm, request("a", prompt))
+    compute_all(bm, a)
+    b = admitted(bm, request("b", list(prompt)))
+    assert b.num_computed_tokens == 4  # one token must still run to give logits
+    assert b.num_pending_tokens == 4
+
+
+def test_hash_chain_depends_on_parent():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = admitted(bm, request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    compute_all(bm, a)
+    # b starts with a's *second* block: same tokens, different position and parent
+    b = admitted(bm, request("b", [5, 6, 7, 8, 10]))
+    assert b.num_computed_tokens == 0
+
+
+def test_freed_cached_blocks_are_reusable_until_evicted_lru():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = admitted(bm, request("a", [1, 2, 3, 4, 5]))  # blocks: [1,2] [3,4] [5]
+    compute_all(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 6
+    assert bm.num_cached_blocks == 2
+    # a later identical prefix still hits after a is gone
+    b = admitted(bm, request("b", [1, 2, 3, 4, 9]))
+    assert b.num_computed_tokens == 4
+    bm.free(b)
+    # fill the pool: plain blocks go first, then cached ones, least recently freed first
+    c = admitted(bm, request("c", list(range(50, 58))))  # 4 blocks
+    assert bm.allocate(c, 8)
+    assert bm.num_cached_blocks == 2  # only the 4 uncached blocks were used
+    d = admitted(bm, request("d", [60, 61]))
+    assert bm.allocate(d, 2)  # needs 1 block: evicts the tail block [3,4] first
+    assert bm.num_cached_blocks == 1
+    bm.free(c)
+    bm.free(d)
+    e = admitted(bm, request("e", [1, 2, 70]))
+    assert e.num_computed_tokens == 2  # [1,2] survived
+
+
+def test_no_leak_after_free_and_counts_add_up():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    reqs = [admitted(bm, request(f"r{i}", 10 + i)) for i in range(4)]
+    for r in reqs:
+        compute_all(bm, r)
+    assert bm.num_used_blocks + bm.num_free_blocks == 32
+    for r in reqs:
+        bm.free(r)
+    assert bm.num_free_blocks == 32
+    assert bm.num_reserved_blocks == 0
+
+
+def test_admission_reserves_final_footprint():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    big = admitted(bm, request("big", 20), reserve=24)  # 6 blocks reserved, none allocated yet
+    assert bm.num_reserved_blocks == 6
+    assert bm.num_used_blocks == 0
+    # only 4 unreserved blocks remain: a 5-block footprint is refused
+    assert not bm.admit(request("x", 17), 20)
+    small = admitted(bm, request("small", 8), reserve=16)  # 4 blocks: fits exactly
+    # big can still take every block of its reservation, chunk by chunk
+    for _ in range(3):
+        assert bm.allocate(big, 8)
+        big.num_computed_tokens += 8
+    assert len(big.block_ids) == 6
+    # unreserved growth beyond small's reserve fails: nothing is left
+    assert bm.allocate(small, 16)
+    small.num_computed_tokens = 16
+    assert not bm.allocate(small, 1)
+
+
+def test_allocate_failure_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    r = admitted(bm, request("r", 4), reserve=4)
+    assert bm.allocate(r, 4)
+    r.num_computed_tokens = 4
+    before = (list(r.block_ids), bm.num_free_blocks)
+    assert not bm.allocate(r, 8)
+    assert (r.block_ids, bm.num_free_blocks) == before
