@@ -1,0 +1,68 @@
+"""What one iteration runs (Batch) and what it did (IterationRecord)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.request import Request
+
+
+@dataclass(slots=True)
+class Item:
+    """One request's share of an iteration: tokens [start, start + num_tokens)."""
+
+    request: Request
+    start: int  # tokens already in the KV cache (the chunk's prefix length)
+    num_tokens: int
+    is_prefill: bool
+
+    @property
+    def samples(self) -> bool:
+        """Does this item end at the request's last token, so it yields a new one?"""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class Batch:
+    """A flattened ragged batch: decode items first, then prefill chunks."""
+
+    iteration: int
+    items: list[Item] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items if not item.is_prefill)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items if item.is_prefill)
+
+
+@dataclass(slots=True)
+class IterationRecord:
+    """One iteration as it happened; the dashboard, metrics and simulator read it."""
+
+    iteration: int
+    start_ns: int
+    end_ns: int
+    decode_tokens: int
+    prefill_tokens: int
+    chunks: dict[str, int]  # request id -> prefill tokens in this iteration
+    token_budget: int
+    chunking: str
+    num_running: int
+    num_waiting: int
+    num_partial_prefills: int
+    kv_used_blocks: int
+    kv_free_blocks: int
+    kv_cached_blocks: int
+    preemptions: int
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns

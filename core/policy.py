@@ -1,0 +1,38 @@
+"""Order of the waiting queue: which prompt is admitted next.
+
+Every policy honours the starvation ceiling: a request that has waited longer
+than ``max_defer_s`` goes ahead of everything else (oldest first), so
+``sjf``/``lpm``/``priority`` can reorder but never starve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.request import Request
+
+# Past this queue length lpm falls back to fcfs, as SGLang does: matching
+# every waiting prompt against the cache each iteration would cost more than
+# the reordering gains.
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting(
+    waiting: list[Request],
+    policy: str,
+    now_ns: int,
+    max_defer_s: float,
+    cached_prefix_tokens: Callable[[Request], int],
+) -> list[Request]:
+    deadline = now_ns - int(max_defer_s * 1e9)
+    overdue = sorted((r for r in waiting if r.arrival_ns < deadline), key=lambda r: r.arrival_ns)
+    rest = [r for r in waiting if r.arrival_ns >= deadline]
+    if policy == "sjf":
+        rest.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_ns))
+    elif policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+        rest.sort(key=lambda r: (-cached_prefix_tokens(r), r.arrival_ns))
+    elif policy == "priority":
+        rest.sort(key=lambda r: (r.priority, r.arrival_ns))
+    else:
+        rest.sort(key=lambda r: r.arrival_ns)
+    return overdue + rest

@@ -1,0 +1,93 @@
+"""The runner seam: the engine hands it a batch, it returns sampled tokens.
+
+Two implementations share the scheduler: the torch model runner and
+``SimRunner`` here, which charges each iteration the cost model's predicted
+time and emits deterministic tokens computed from the KV it was given.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from core.batch import Batch
+from core.cost_model import CostModel
+
+
+class Runner(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def execute(self, batch: Batch) -> list[int]:
+        """Run the batch; return one token per item that samples, in item order."""
+        ...
+
+
+class VirtualClock:
+    """A perf_counter_ns stand-in that only moves when told to (simulation)."""
+
+    def __init__(self, start_ns: int = 0) -> None:
+        self.now_ns = start_ns
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, ns: int) -> None:
+        self.now_ns += ns
+
+
+class SimRunner:
+    """Cost-model runner.
+
+    It keeps a fake paged KV cache (one token id per slot), written and read
+    through each request's block table exactly as the model runner would, and
+    samples a hash of the whole context it reads back. A scheduling or
+    prefix-cache mistake (a skipped, repeated or misplaced token, a wrong
+    cache hit) therefore changes the token stream, while correct chunking,
+    caching and recompute leave it identical.
+
+    With ``clock`` it advances that virtual clock by the predicted iteration
+    time; without, it sleeps that long (a stand-in model for gateway tests).
+    """
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __init__(
+        self,
+        cost: CostModel,
+        block_size: int,
+        clock: VirtualClock | None = None,
+        vocab_size: int = 32000,
+        time_scale: float = 1.0,
+    ) -> None:
+        self.cost = cost
+        self.block_size = block_size
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.time_scale = time_scale
+        self._slots: dict[int, list[int]] = {}
+
+    def predict_s(self, batch: Batch) -> float:
+        return self.cost.iteration_s(
+            (item.start for item in batch.items if not item.is_prefill),
+            ((item.start, item.num_tokens) for item in batch.items if item.is_prefill),
+        )
+
+    def execute(self, batch: Batch) -> list[int]:
+        bs = self.block_size
+        sampled = []
+        for item in batch.items:
+            req = item.request
+            end = item.start + item.num_tokens
+            for pos, token in enumerate(req.tokens(item.start, end), item.start):
+                self._slots.setdefault(req.block_ids[pos // bs], [0] * bs)[pos % bs] = token
+            if item.samples:
+                context = []
+                for block_id in req.block_ids[: -(-end // bs)]:
+                    context += self._slots[block_id]
+                sampled.append(17 + hash(tuple(context[:end])) % (self.vocab_size - 17))
+        duration_ns = int(self.predict_s(batch) * self.time_scale * 1e9)
+        if self.clock is not None:
+            self.clock.advance(duration_ns)
+        else:
+            time.sleep(duration_ns / 1e9)
+        return sampled

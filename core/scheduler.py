@@ -1,0 +1,227 @@
+"""The stall-free scheduler (Sarathi-Serve) and the two old behaviours it replaces.
+
+Each iteration, in ``stall_free`` mode, three passes fill one token budget:
+
+1. every running decode gets its token(s), oldest first; a decode that needs a
+   KV block when none is free preempts the newest decode (recompute);
+2. partially prefilled prompts get their next chunk, oldest first;
+3. waiting prompts are admitted in policy order while budget, ``max_num_seqs``
+   and KV room (the prompt's final footprint) remain; a prompt that does not
+   fit contributes a chunk and carries over.
+
+Pure Python: it decides, the runner computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.batch import Batch, Item
+from core.block_manager import BlockManager
+from core.config import SchedulerConfig
+from core.policy import order_waiting
+from core.request import Chunk, Request, RequestStatus
+
+# (prefix length, token budget) -> largest chunk keeping the iteration level
+ChunkLimit = Callable[[int, int], int]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: BlockManager,
+        eos_token_ids: frozenset[int] = frozenset(),
+        chunk_limit: ChunkLimit | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.chunk_limit = chunk_limit
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admission order, oldest first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._iteration = 0
+        self._admitted = 0
+
+    # -- queue -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str, now_ns: int) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED, now_ns)
+        return req
+
+    def finish(self, req: Request, status: RequestStatus, now_ns: int) -> None:
+        """End req: free its KV at once and drop it from the queues."""
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.timeline.finished_ns = now_ns
+        del self.requests[req.request_id]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_partial_prefills(self) -> int:
+        return sum(1 for r in self.running if r.status == RequestStatus.PREFILLING)
+
+    # -- schedule ----------------------------------------------------------
+    def schedule(self, now_ns: int) -> Batch:
+        self._iteration += 1
+        batch = Batch(self._iteration)
+        mode = self.config.chunking
+        budget = self.config.token_budget
+        if mode == "none":
+            # frozen batch: whole prompts in an iteration of their own, with
+            # vLLM V0's rule that the batch cap is at least the context length
+            left = self._prefill_running(batch, max(budget, self.config.max_model_len), whole=True)
+            self._admit(batch, left, now_ns, whole=True)
+            if not batch.items:
+                self._decode(batch, budget)
+            return batch
+        left = self._decode(batch, budget)
+        left = self._prefill_running(batch, left, whole=False)
+        if mode == "stall_free" or not any(r.status == RequestStatus.DECODING for r in self.running):
+            self._admit(batch, left, now_ns, whole=False)
+        return batch
+
+    def _decode(self, batch: Batch, left: int) -> int:
+        """Pass 1: one step for every running decode (counting any extra
+        verification tokens), preempting the newest decodes for KV room."""
+        for req in list(self.running):
+            if req.status != RequestStatus.DECODING:
+                continue  # prefilling, or preempted earlier in this loop
+            n = req.num_pending_tokens
+            if n > left:
+                break
+            while not self.kv.allocate(req, n):
+                victim = next(r for r in reversed(self.running) if r.status == RequestStatus.DECODING)
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=False))
+                left -= n
+        return left
+
+    def _prefill_running(self, batch: Batch, left: int, whole: bool) -> int:
+        """Pass 2: the next chunk of each partially prefilled prompt."""
+        for req in self.running:
+            if left == 0:
+                break
+            if req.status != RequestStatus.PREFILLING:
+                continue
+            n = self._chunk(req, req.num_pending_tokens, left, whole)
+            if n == 0:
+                continue
+            if not self.kv.allocate(req, n):  # admission reserved the whole prompt
+                raise RuntimeError(f"KV reservation of {req.request_id} was not honoured")
+            batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=True))
+            left -= n
+        return left
+
+    def _admit(self, batch: Batch, left: int, now_ns: int, whole: bool) -> None:
+        """Pass 3: new (or preempted) requests in policy order."""
+        cfg = self.config
+        if not self.waiting or left == 0:
+            return
+        finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
+        partial = sum(1 for r in self.running if r.status == RequestStatus.PREFILLING and r not in finishing)
+        admitted = []
+        for req in order_waiting(self.waiting, cfg.policy, now_ns, cfg.max_defer_s, self.kv.cached_prefix_tokens):
+            if left == 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            pending = req.num_tokens - self.kv.cached_prefix_tokens(req)
+            n = self._chunk(req, pending, left, whole)
+            if n == 0:
+                break
+            if n < pending and partial >= cfg.max_partial_prefills:
+                continue  # would stay partial; a prompt that finishes in this chunk may still go
+            reserve = min(req.sampling.max_tokens - req.num_output_tokens, cfg.decode_reserve_tokens)
+            if not self.kv.admit(req, min(req.num_tokens + reserve, cfg.max_model_len)):
+                break  # head of line waits for KV room rather than being overtaken forever
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self._admitted += 1
+            req.admit_seq = self._admitted
+            req.status = RequestStatus.PREFILLING
+            self.running.append(req)
+            admitted.append(req)
+            self.kv.allocate(req, n)
+            batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=True))
+            left -= n
+            partial += n < pending
+        if admitted:
+            taken = set(admitted)
+            self.waiting = [r for r in self.waiting if r not in taken]
+
+    def _chunk(self, req: Request, pending: int, left: int, whole: bool) -> int:
+        if whole:
+            return pending if pending <= left else 0
+        n = min(pending, left)
+        if self.config.dynamic_chunking and self.chunk_limit is not None:
+            prefix = req.num_tokens - pending
+            n = min(n, max(1, self.chunk_limit(prefix, self.config.token_budget)))
+        return n
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        """Recompute-style preemption: drop the KV, keep prompt and outputs."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+        batch.preempted.append(req)
+
+    # -- update ------------------------------------------------------------
+    def update(self, batch: Batch, sampled: list[int], start_ns: int, end_ns: int) -> list[tuple[Request, int]]:
+        """Advance every request in batch; sampled holds one token per item that
+        samples, in item order. Returns the (request, token) pairs emitted."""
+        emitted = []
+        tokens = iter(sampled)
+        prefilling = {item.request for item in batch.items if item.is_prefill}
+        for item in batch.items:
+            req = item.request
+            samples = item.samples
+            req.num_computed_tokens += item.num_tokens
+            tl = req.timeline
+            if tl.scheduled_ns is None:
+                tl.scheduled_ns = start_ns
+            if item.is_prefill:
+                tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
+            self.kv.cache_computed(req)
+            if samples:
+                token = next(tokens)
+                stalled = len(prefilling) > (req in prefilling)
+                self._append_token(req, token, end_ns, stalled)
+                emitted.append((req, token))
+        return emitted
+
+    def _append_token(self, req: Request, token: int, now_ns: int, stalled: bool) -> None:
+        req.output_token_ids.append(token)
+        tl = req.timeline
+        if tl.first_token_ns is None:
+            tl.first_token_ns = now_ns
+        else:
+            tl.gap_with_prefill.append(stalled)
+        tl.token_ns.append(now_ns)
+        req.status = RequestStatus.DECODING
+        sp = req.sampling
+        if token in sp.stop_token_ids or (token in self.eos_token_ids and not sp.ignore_eos):
+            self.finish(req, RequestStatus.FINISHED_STOPPED, now_ns)
+        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            self.finish(req, RequestStatus.FINISHED_LENGTH, now_ns)

@@ -1,0 +1,69 @@
+"""Intervals derived from a request's timestamps, and percentiles.
+
+queue_wait + prefill + decode = e2e by construction:
+  queue_wait = first scheduled - arrival
+  prefill    = first token - first scheduled
+  decode     = finish - first token
+Gaps (itl) are per token, never averaged per request first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from core.request import Timeline
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def gaps_ns(timeline: Timeline) -> list[int]:
+    t = timeline.token_ns
+    return [b - a for a, b in itertools.pairwise(t)]
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    queue_wait_ms: float
+    prefill_ms: float
+    decode_ms: float
+    ttft_ms: float
+    e2e_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    max_gap_ms: float
+    gaps_with_prefill: int  # gaps that overlapped another request's prefill chunk
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def request_timings(timeline: Timeline) -> RequestTimings:
+    """Timings of a finished (or aborted) request; phases never reached count as 0."""
+    ms = 1e-6
+    arrival = timeline.arrival_ns
+    end = timeline.finished_ns if timeline.finished_ns is not None else arrival
+    scheduled = timeline.scheduled_ns if timeline.scheduled_ns is not None else end
+    first = timeline.first_token_ns if timeline.first_token_ns is not None else end
+    gaps = [g * ms for g in gaps_ns(timeline)]
+    return RequestTimings(
+        queue_wait_ms=(scheduled - arrival) * ms,
+        prefill_ms=(first - scheduled) * ms,
+        decode_ms=(end - first) * ms,
+        ttft_ms=(first - arrival) * ms if timeline.first_token_ns is not None else 0.0,
+        e2e_ms=(end - arrival) * ms,
+        itl_p50_ms=percentile(gaps, 50),
+        itl_p99_ms=percentile(gaps, 99),
+        max_gap_ms=max(gaps, default=0.0),
+        gaps_with_prefill=sum(timeline.gap_with_prefill),
+    )

@@ -1,0 +1,282 @@
+"""Scheduler behaviour, one rule per test, on the engine with SimRunner."""
+
+import itertools
+
+import pytest
+
+from core.config import SchedulerConfig
+from core.request import RequestStatus
+from tests.simkit import request, run_to_completion, sim_engine
+
+
+def step_items(engine):
+    """Run one iteration; return [(request id, tokens, is_prefill)] in batch order."""
+    batch_seen = []
+    real = engine.runner.execute
+
+    def spy(batch):
+        batch_seen.extend((i.request.request_id, i.num_tokens, i.is_prefill) for i in batch.items)
+        return real(batch)
+
+    engine.runner.execute = spy
+    try:
+        engine.step()
+    finally:
+        engine.runner.execute = real
+    return batch_seen
+
+
+def start_decoding(engine, *rids, prompt=4, max_tokens=50):
+    for rid in rids:
+        engine.add_request(request(rid, prompt, max_tokens=max_tokens))
+    while any(engine.scheduler.requests[r].status != RequestStatus.DECODING for r in rids):
+        engine.step()
+
+
+def test_decodes_first_then_partial_then_new_within_budget():
+    e = sim_engine(token_budget=40, max_num_seqs=8)
+    start_decoding(e, "d1", "d2")
+    e.add_request(request("long", 60))
+    items = step_items(e)
+    assert items[:2] == [("d1", 1, False), ("d2", 1, False)]
+    assert items[2] == ("long", 38, True)  # leftover budget, cut at the boundary
+    e.add_request(request("new", 30))
+    items = step_items(e)
+    # the partial prefill's next chunk comes before the newcomer
+    assert [i[0] for i in items] == ["d1", "d2", "long", "new"]
+    assert sum(n for _, n, _ in items) == 40
+    assert items[2] == ("long", 22, True)
+    assert items[3] == ("new", 16, True)
+
+
+def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk():
+    # Without a per-chunk limit a partial prefill takes all leftover budget, so
+    # at most one exists; with dynamic chunking (here a fixed 10-token limit)
+    # several can, and the cap bounds them.
+    e = sim_engine(token_budget=40, max_num_seqs=8, max_partial_prefills=2, dynamic_chunking=True)
+    e.scheduler.chunk_limit = lambda prefix, budget: 10
+    for rid in ("long1", "long2", "long3"):
+        e.add_request(request(rid, 100))
+    e.add_request(request("short", 3))
+    items = step_items(e)
+    # long3 would be a third partial prefill, so it waits; short finishes in its chunk, so it goes
+    assert items == [("long1", 10, True), ("long2", 10, True), ("short", 3, True)]
+    assert e.scheduler.num_partial_prefills == 2
+    items = step_items(e)
+    assert [i[0] for i in items] == ["short", "long1", "long2"]
+    while e.has_work:
+        e.step()
+        assert e.scheduler.num_partial_prefills <= 2
+
+
+def test_kv_admission_checks_final_footprint():
+    # 12 blocks of 4 tokens = 48 tokens of KV
+    e = sim_engine(num_blocks=12, block_size=4, token_budget=24, max_num_seqs=8, decode_reserve_tokens=4)
+    e.add_request(request("a", 30, max_tokens=4))  # footprint 34 tokens -> 9 blocks
+    e.add_request(request("b", 12, max_tokens=4))  # footprint 16 -> 4 blocks: would not fit next to a
+    items = step_items(e)
+    assert [i[0] for i in items] == ["a"]  # b's first chunk would fit, its final footprint does not
+    items = step_items(e)
+    assert [i[0] for i in items] == ["a"]
+    run_to_completion(e)
+    assert e.scheduler.requests == {}
+    assert e.kv.num_free_blocks == 12
+
+
+def test_preemption_newest_first_and_recompute_gives_same_tokens():
+    def run(num_blocks):
+        e = sim_engine(num_blocks=num_blocks, block_size=4, token_budget=32, max_num_seqs=8, decode_reserve_tokens=0)
+        for i in range(4):
+            e.add_request(request(f"r{i}", 6, max_tokens=20))
+        preempted = []
+        while e.has_work:
+            before = {r.request_id: r.num_preemptions for r in e.scheduler.requests.values()}
+            out = e.step()
+            if out and out.iteration and out.iteration.preemptions:
+                now = {r.request_id: r.num_preemptions for r in e.scheduler.requests.values()}
+                preempted += [rid for rid in now if now[rid] > before.get(rid, 0)]
+        return e, preempted
+
+    _roomy, none = run(256)
+    tight, preempted = run(20)  # 4 x 26 tokens needs 28 blocks
+    assert none == []
+    assert tight.scheduler.num_preemptions > 0
+    assert preempted[0] == "r3"  # the newest decode goes first
+    assert tight.kv.num_free_blocks == 20
+
+
+def test_preempted_request_tokens_identical():
+    def outputs(num_blocks):
+        e = sim_engine(num_blocks=num_blocks, block_size=4, token_budget=32, max_num_seqs=8, decode_reserve_tokens=0)
+        reqs = [request(f"r{i}", 6, max_tokens=20) for i in range(4)]
+        for r in reqs:
+            e.add_request(r)
+        run_to_completion(e)
+        return [r.output_token_ids for r in reqs], e.scheduler.num_preemptions
+
+    (roomy, p0), (tight, p1) = outputs(256), outputs(20)
+    assert p0 == 0
+    assert p1 > 0
+    assert roomy == tight
+
+
+def test_unchunked_mode_freezes_decodes_for_a_whole_prompt():
+    e = sim_engine(token_budget=40, max_num_seqs=8, max_model_len=512, chunking="none")
+    start_decoding(e, "d1", "d2")
+    e.add_request(request("long", 300))
+    items = step_items(e)
+    assert items == [("long", 300, True)]  # one iteration, whole prompt, decodes wait
+    items = step_items(e)
+    assert {i[0] for i in items} == {"d1", "d2", "long"}
+    assert all(not p for _, _, p in items)
+
+
+def test_decode_first_mode_waits_for_decodes_to_finish():
+    e = sim_engine(token_budget=40, max_num_seqs=8, chunking="decode_first")
+    start_decoding(e, "d1", max_tokens=5)
+    e.add_request(request("new", 8))
+    while "d1" in e.scheduler.requests:
+        assert [i[0] for i in step_items(e)] == ["d1"]
+    assert [i[0] for i in step_items(e)] == ["new"]
+
+
+def test_mode_switch_live_takes_effect_next_iteration():
+    e = sim_engine(token_budget=40, max_num_seqs=8, max_model_len=512)
+    start_decoding(e, "d1")
+    e.add_request(request("long", 200))
+    assert step_items(e) == [("d1", 1, False), ("long", 39, True)]
+    assert e.reconfigure({"chunking": "none"}) == []
+    assert step_items(e) == [("long", 161, True)]  # the rest of the partial prefill, whole
+    with pytest.raises(ValueError, match="cannot change"):
+        e.reconfigure({"max_num_seqs": 3})
+    with pytest.raises(ValueError, match="chunking"):
+        e.reconfigure({"chunking": "sometimes"})
+
+
+def test_budget_clamped_with_warning():
+    config, warnings = SchedulerConfig(token_budget=64, max_num_seqs=64).validated()
+    assert config.token_budget == 80
+    assert "clamped" in warnings[0]
+    e = sim_engine(token_budget=10, max_num_seqs=8)
+    assert e.config.token_budget == 24
+    assert e.warnings
+    assert e.reconfigure({"token_budget": 4})
+    assert e.config.token_budget == 24
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("fcfs", "a"), ("sjf", "c"), ("priority", "b")],
+)
+def test_waiting_policies(policy, expected):
+    e = sim_engine(token_budget=24, max_num_seqs=1, policy=policy)
+    e.add_request(request("a", 12, arrival_ns=0))
+    e.add_request(request("b", 10, arrival_ns=1, priority=-1))
+    e.add_request(request("c", 5, arrival_ns=2))
+    assert step_items(e)[0][0] == expected
+
+
+def test_lpm_prefers_longest_cached_prefix():
+    e = sim_engine(token_budget=40, max_num_seqs=1, policy="lpm", block_size=4)
+    shared = list(range(1000, 1024))
+    e.add_request(request("warm", [*shared, 1], max_tokens=1))
+    run_to_completion(e)
+    e.add_request(request("cold", list(range(5000, 5020)), arrival_ns=1))
+    e.add_request(request("hit", [*shared, 2, 3], arrival_ns=2))
+    items = step_items(e)
+    assert items == [("hit", 2, True)]  # 24 of 26 tokens came from the cache
+    assert e.scheduler.requests["hit"].num_cached_tokens == 24
+
+
+def test_starvation_ceiling_lets_overdue_request_jump_the_queue():
+    e = sim_engine(token_budget=24, max_num_seqs=1, policy="sjf", max_defer_s=1.0)
+    e.add_request(request("long", 20, arrival_ns=0, max_tokens=1))
+    e.add_request(request("short", 2, arrival_ns=0, max_tokens=1))
+    e.clock.now_ns = 2_000_000_000  # both overdue: oldest first, then by arrival
+    e.add_request(request("fresh", 1, arrival_ns=2_000_000_000, max_tokens=1))
+    assert step_items(e)[0][0] == "long"
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_blocks():
+    e = sim_engine(num_blocks=64, token_budget=24)
+    start_decoding(e, "dec")
+    e.add_request(request("pre", 100))
+    e.step()
+    assert e.scheduler.requests["pre"].status == RequestStatus.PREFILLING
+    assert e.abort_request("pre")
+    assert e.abort_request("dec")
+    assert not e.abort_request("nope")
+    out = e.step()
+    assert {o.request_id: o.finish_reason for o in out.outputs} == {"pre": "abort", "dec": "abort"}
+    assert e.kv.num_free_blocks == 64
+    assert e.kv.num_reserved_blocks == 0
+    assert not e.has_work
+
+
+def test_stop_tokens_and_ignore_eos():
+    probe = sim_engine()
+    r = request("p", 5, max_tokens=6)
+    probe.add_request(r)
+    run_to_completion(probe)
+    third = r.output_token_ids[2]
+    e = sim_engine()
+    stop = request("s", r.prompt_token_ids, max_tokens=6, stop_token_ids=(third,))
+    e.add_request(stop)
+    run_to_completion(e)
+    assert stop.output_token_ids == r.output_token_ids[:3]
+    assert stop.finish_reason == "stop"
+    e.scheduler.eos_token_ids = frozenset({third})
+    ignore = request("i", r.prompt_token_ids, max_tokens=6, ignore_eos=True)
+    eos = request("e", r.prompt_token_ids, max_tokens=6)
+    e.add_request(ignore)
+    e.add_request(eos)
+    run_to_completion(e)
+    assert ignore.finish_reason == "length"
+    assert len(ignore.output_token_ids) == 6
+    assert eos.finish_reason == "stop"
+    assert len(eos.output_token_ids) == 3
+
+
+def test_dynamic_chunking_shrinks_later_chunks():
+    e = sim_engine(token_budget=64, max_num_seqs=8, dynamic_chunking=True, max_model_len=100_000, num_blocks=4096)
+    e.add_request(request("long", 6000, max_tokens=1))
+    sizes = []
+    while e.has_work:
+        sizes += [n for _, n, p in step_items(e) if p]
+    body = sizes[:-1]  # the last chunk is whatever remains
+    assert sum(sizes) == 6000
+    assert body[0] == 64
+    assert body[-1] < 56
+    assert all(a >= b for a, b in itertools.pairwise(body))
+
+
+def test_runner_failure_fails_only_that_batch():
+    e = sim_engine()
+    e.add_request(request("x", 4))
+    real = e.runner.execute
+
+    def boom(batch):
+        raise RuntimeError("device lost")
+
+    e.runner.execute = boom
+    out = e.step()
+    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("x", "error")]
+    e.runner.execute = real
+    e.add_request(request("y", 4, max_tokens=2))
+    run_to_completion(e)
+    assert e.kv.num_used_blocks == 0
+
+
+def test_requests_that_can_never_run_are_refused():
+    e = sim_engine(num_blocks=8, block_size=4, max_model_len=64)
+    assert e.config.max_model_len == 32
+    assert "exceeds the KV cache" in e.warnings[0]
+    with pytest.raises(ValueError, match="context limit is 32"):
+        e.add_request(request("a", 32))
+    with pytest.raises(ValueError, match="empty"):
+        e.add_request(request("c", []))
+    with pytest.raises(ValueError, match="temperature"):
+        e.add_request(request("d", 4, temperature=float("nan")))
+    e.add_request(request("ok", 4))
+    with pytest.raises(ValueError, match="duplicate"):
+        e.add_request(request("ok", 4))

@@ -1,0 +1,193 @@
+"""Scheduler invariants over random arrival traces (hypothesis).
+
+Each example runs a random workload (arrivals, prompt and output lengths,
+shared prefixes, aborts) under a random configuration on SimRunner and checks
+every iteration:
+- the token budget is never exceeded;
+- in stall_free mode every request decoding before the iteration gets its
+  token unless preempted;
+- partial prefills stay within max_partial_prefills;
+- while an overdue request (waited > max_defer_s) waits, nothing younger is
+  admitted ahead of it unless that one finishes its prompt in the same chunk;
+- KV blocks always cover computed tokens, and all return when the run ends.
+And: chunked, unchunked and decode-first runs, roomy or tight KV (with
+preemption), give identical token streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from core.config import CHUNKING_MODES, POLICIES
+from core.engine import RequestRejected
+from core.request import RequestStatus
+from tests.simkit import request, sim_engine, tokens
+
+PREFIXES = {name: tokens(("prefix", name), 24) for name in ("sys-a", "sys-b")}
+
+
+@dataclass
+class Spec:
+    at_ms: int
+    prompt: int
+    max_tokens: int
+    prefix: str | None
+    priority: int
+    abort_after_steps: int | None
+
+
+spec = st.builds(
+    Spec,
+    at_ms=st.integers(0, 400),
+    prompt=st.integers(1, 90),
+    max_tokens=st.integers(1, 40),
+    prefix=st.sampled_from([None, "sys-a", "sys-b"]),
+    priority=st.integers(-2, 2),
+    abort_after_steps=st.one_of(st.none(), st.integers(1, 30)),
+)
+
+config = st.fixed_dictionaries(
+    {
+        "token_budget": st.integers(8, 96),
+        "max_num_seqs": st.integers(1, 8),
+        "max_partial_prefills": st.integers(1, 3),
+        "chunking": st.sampled_from(CHUNKING_MODES),
+        "policy": st.sampled_from(POLICIES),
+        "dynamic_chunking": st.booleans(),
+        "max_defer_s": st.sampled_from([0.05, 0.2, 30.0]),
+        "decode_reserve_tokens": st.sampled_from([0, 0, 4, 16]),
+    }
+)
+
+
+def build(i: int, s: Spec):
+    prompt = (PREFIXES[s.prefix] if s.prefix else []) + tokens(("req", i), s.prompt)
+    return request(f"r{i}", prompt, max_tokens=s.max_tokens, arrival_ns=s.at_ms * 1_000_000, priority=s.priority)
+
+
+def run(
+    specs: list[Spec],
+    cfg: dict,
+    num_blocks: int,
+    block_size: int,
+    aborts: bool = True,
+    check=None,
+    max_model_len: int = 256,
+):
+    """Drive a trace to completion on a virtual clock; returns the engine and the requests."""
+    e = sim_engine(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, **cfg)
+    if check is not None:
+        e.scheduler.schedule = check(e, e.scheduler.schedule)
+    reqs = [build(i, s) for i, s in enumerate(specs)]
+    pending = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_ns)
+    added_at: dict[int, int] = {}
+    steps = 0
+    while pending or e.has_work:
+        if not e.has_work:
+            e.clock.now_ns = max(e.clock.now_ns, reqs[pending[0]].arrival_ns)
+        while pending and reqs[pending[0]].arrival_ns <= e.clock.now_ns:
+            i = pending.pop(0)
+            if reqs[i].num_prompt_tokens >= e.config.max_model_len:
+                with pytest.raises(RequestRejected):
+                    e.add_request(reqs[i])
+                reqs[i].status = RequestStatus.FINISHED_ERROR  # refused before any work
+                continue
+            e.add_request(reqs[i])
+            added_at[i] = steps
+        if aborts:
+            for i, s in enumerate(specs):
+                if s.abort_after_steps is not None and added_at.get(i) == steps - s.abort_after_steps:
+                    e.abort_request(reqs[i].request_id)
+        out = e.step()
+        if out is None and e.has_work:
+            assert pending, "requests remain but none can be scheduled"
+            e.clock.now_ns = reqs[pending[0]].arrival_ns
+        steps += 1
+        assert steps < 20_000
+    return e, reqs
+
+
+def invariants(e, schedule):
+    cfg_holder = e.scheduler
+
+    def checked(now_ns):
+        cfg = cfg_holder.config
+        decoding = {r for r in cfg_holder.running if r.status == RequestStatus.DECODING}
+        waiting_before = set(cfg_holder.waiting)
+        batch = schedule(now_ns)
+        cap = max(cfg.token_budget, cfg.max_model_len) if cfg.chunking == "none" else cfg.token_budget
+        assert batch.num_tokens <= cap
+        if cfg.chunking == "stall_free":
+            decoded = {i.request for i in batch.items if not i.is_prefill}
+            assert decoded | set(batch.preempted) == decoding
+        finishing = {i.request for i in batch.items if i.is_prefill and i.samples}
+        still_partial = [r for r in cfg_holder.running if r.status == RequestStatus.PREFILLING and r not in finishing]
+        assert len(still_partial) <= cfg.max_partial_prefills
+        deadline = now_ns - int(cfg.max_defer_s * 1e9)
+        if any(r.arrival_ns < deadline for r in cfg_holder.waiting):
+            for item in batch.items:
+                r = item.request
+                if r in waiting_before and r.arrival_ns >= deadline:
+                    assert item.samples, f"{r.request_id} admitted ahead of an overdue request"
+        bs = e.kv.block_size
+        for r in cfg_holder.running:
+            assert len(r.block_ids) * bs >= r.num_computed_tokens
+        for item in batch.items:
+            assert len(item.request.block_ids) * bs >= item.start + item.num_tokens
+        assert e.kv.num_free_blocks + e.kv.num_used_blocks == e.kv.num_blocks
+        return batch
+
+    return checked
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(spec, min_size=1, max_size=14),
+    cfg=config,
+    num_blocks=st.integers(12, 160),
+    block_size=st.sampled_from([2, 4, 8]),
+)
+def test_invariants_hold_on_random_traces(specs, cfg, num_blocks, block_size):
+    e, reqs = run(specs, cfg, num_blocks, block_size, check=invariants)
+    event(f"preempted: {e.scheduler.num_preemptions > 0}")
+    event(f"prefix hits: {e.kv.prefix_hit_tokens > 0}")
+    assert all(r.status.finished for r in reqs)
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+    assert e.kv.num_reserved_blocks == 0
+    for r, s in zip(reqs, specs, strict=True):
+        if r.status == RequestStatus.FINISHED_LENGTH:
+            assert r.num_output_tokens == s.max_tokens or r.num_tokens == e.config.max_model_len
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(spec, min_size=1, max_size=10),
+    budget=st.integers(12, 64),
+    policy=st.sampled_from(POLICIES),
+    tight_blocks=st.integers(32, 60),
+)
+def test_token_streams_identical_across_modes_and_memory(specs, budget, policy, tight_blocks):
+    results = []
+    for chunking, blocks, dynamic in [
+        ("stall_free", 400, False),
+        ("none", 400, False),
+        ("decode_first", 400, False),
+        ("stall_free", tight_blocks, True),
+    ]:
+        cfg = {
+            "token_budget": budget,
+            "max_num_seqs": 6,
+            "chunking": chunking,
+            "policy": policy,
+            "dynamic_chunking": dynamic,
+            "decode_reserve_tokens": 0,
+        }
+        e, reqs = run(specs, cfg, blocks, 4, aborts=False, max_model_len=128)
+        results.append([r.output_token_ids for r in reqs])
+        if blocks == tight_blocks:
+            event(f"tight run preempted: {e.scheduler.num_preemptions > 0}")
+    assert results[0] == results[1] == results[2] == results[3]
