@@ -1,0 +1,107 @@
+"""The engine's dedicated thread: inbox, one callback per iteration, survival."""
+
+import threading
+import time
+
+import pytest
+
+from core.config import CacheConfig, SchedulerConfig
+from core.cost_model import ARTICLE_GPU, CostModel
+from core.engine import Engine, RequestRejected
+from core.runner import SimRunner
+from core.step_loop import StepLoop
+from tests.simkit import request
+
+
+class Recorder:
+    def __init__(self):
+        self.steps = []
+        self.threads = set()
+        self.done = {}
+        self.cond = threading.Condition()
+
+    def __call__(self, out):
+        with self.cond:
+            self.steps.append(out)
+            self.threads.add(threading.current_thread().name)
+            for o in out.outputs:
+                if o.finish_reason:
+                    self.done[o.request_id] = o
+            self.cond.notify_all()
+
+    def wait_for(self, predicate, timeout=10):
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout), "timed out"
+
+
+@pytest.fixture
+def loop():
+    # real time: each iteration sleeps its predicted cost (~1 ms here)
+    cost = CostModel(hardware=ARTICLE_GPU.__class__("fast", 400e12, 3e12 * 5, 0.001))
+    engine = Engine(SchedulerConfig(token_budget=64, max_num_seqs=16), CacheConfig(512, 4), SimRunner(cost, 4))
+    rec = Recorder()
+    loop = StepLoop(engine, rec)
+    loop.start()
+    yield loop, rec
+    loop.stop()
+    assert not loop.alive
+
+
+def test_outputs_come_once_per_iteration_on_the_step_thread(loop):
+    loop, rec = loop
+    for i in range(5):
+        loop.submit(request(f"r{i}", 10, max_tokens=6))
+    rec.wait_for(lambda: len(rec.done) == 5)
+    assert rec.threads == {"stallfree-step"}
+    ids = [s.iteration.iteration for s in rec.steps if s.iteration]
+    assert ids == sorted(set(ids))  # one callback per iteration, in order
+    tokens = sum(len(o.new_token_ids) for s in rec.steps for o in s.outputs)
+    assert tokens == 30
+    assert all(o.request.num_output_tokens == 6 for o in rec.done.values())
+
+
+def test_abort_from_another_thread_frees_kv(loop):
+    loop, rec = loop
+    loop.submit(request("long", 20, max_tokens=10_000))
+    rec.wait_for(lambda: any(o.request_id == "long" for s in rec.steps for o in s.outputs))
+    assert loop.abort("long").result(5) is True
+    rec.wait_for(lambda: "long" in rec.done)
+    assert rec.done["long"].finish_reason == "abort"
+    assert loop.call(lambda: loop.engine.kv.num_free_blocks).result(5) == 512
+
+
+def test_reconfigure_and_refusals(loop):
+    loop, _ = loop
+    warnings = loop.reconfigure({"chunking": "none", "token_budget": 8}).result(5)
+    assert warnings
+    assert loop.call(lambda: loop.engine.config.chunking).result(5) == "none"
+    with pytest.raises(ValueError, match="cannot change"):
+        loop.reconfigure({"max_num_seqs": 1}).result(5)
+    with pytest.raises(RequestRejected) as info:
+        loop.submit(request("huge", 5000))
+    assert info.value.code == "prompt_too_long"
+
+
+def test_thread_survives_runner_and_callback_failures(loop):
+    loop, rec = loop
+    runner = loop.engine.runner
+    real = runner.execute
+    failures = iter([RuntimeError("boom")])
+
+    def flaky(batch):
+        err = next(failures, None)
+        if err:
+            raise err
+        return real(batch)
+
+    runner.execute = flaky
+    loop.submit(request("a", 4, max_tokens=2))
+    rec.wait_for(lambda: "a" in rec.done)
+    assert rec.done["a"].finish_reason == "error"
+    loop.on_step = lambda out: 1 / 0  # a broken consumer
+    loop.submit(request("b", 4, max_tokens=2))
+    time.sleep(0.1)
+    loop.on_step = rec
+    loop.submit(request("c", 4, max_tokens=2))
+    rec.wait_for(lambda: "c" in rec.done)
+    assert loop.alive
