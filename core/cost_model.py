@@ -1,0 +1,107 @@
+"""Roofline cost of one iteration: the article's arithmetic as code.
+
+A linear layer over T tokens does 2 x params x T FLOPs and reads the weights
+once, so iteration time = max(compute, memory) + a fixed per-iteration
+overhead. Two refinements the article sets aside in its worked example can be
+switched on: attention's FLOPs over the cached prefix (quadratic in prompt
+length) and the KV bytes each token's attention reads (decode context and the
+chunk re-read of earlier chunks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    name: str
+    params: float  # parameter count
+    bytes_per_param: float
+    layers: int
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    kv_bytes_per_value: float = 2.0
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_value)
+
+    def attention_flops(self, prefix: int, n: int) -> float:
+        """QK^T and PV for n causal queries after `prefix` cached tokens."""
+        pairs = n * prefix + n * (n + 1) / 2
+        return 4.0 * self.layers * self.heads * self.head_dim * pairs
+
+
+@dataclass(slots=True, frozen=True)
+class HardwareSpec:
+    name: str
+    flops: float  # sustained dense FLOP/s
+    mem_bw: float  # bytes/s
+    overhead_s: float = 0.0  # fixed per iteration: scheduling, launch, sampling
+
+
+# The article's illustrative figures (not benchmarks).
+LLAMA3_8B = ModelSpec("llama-3-8b", 8e9, 2.0, layers=32, heads=32, kv_heads=8, head_dim=128)
+ARTICLE_GPU = HardwareSpec("article-gpu", flops=400e12, mem_bw=3e12)
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    model: ModelSpec = LLAMA3_8B
+    hardware: HardwareSpec = ARTICLE_GPU
+    attention: bool = False  # add attention FLOPs
+    kv_reads: bool = False  # add KV-cache read bytes
+
+    def compute_s(self, tokens: int, attn_flops: float = 0.0) -> float:
+        return (2.0 * self.model.params * tokens + attn_flops) / self.hardware.flops
+
+    def memory_s(self, kv_tokens_read: int = 0) -> float:
+        return (self.model.weight_bytes + kv_tokens_read * self.model.kv_bytes_per_token) / self.hardware.mem_bw
+
+    def iteration_s(self, decode_contexts: Iterable[int], chunks: Iterable[tuple[int, int]]) -> float:
+        """Time of one iteration.
+
+        decode_contexts: tokens already cached for each decoding request.
+        chunks: (prefix length, chunk tokens) for each prefill chunk.
+        """
+        decode_contexts = list(decode_contexts)
+        chunks = list(chunks)
+        tokens = len(decode_contexts) + sum(n for _, n in chunks)
+        if tokens == 0:
+            return 0.0
+        attn = 0.0
+        kv_read = 0
+        if self.attention:
+            attn = sum(self.model.attention_flops(ctx, 1) for ctx in decode_contexts)
+            attn += sum(self.model.attention_flops(p, n) for p, n in chunks)
+        if self.kv_reads:
+            kv_read = sum(decode_contexts) + sum(p for p, _ in chunks)
+        return max(self.compute_s(tokens, attn), self.memory_s(kv_read)) + self.hardware.overhead_s
+
+    def prefill_flops(self, prefix: int, n: int) -> float:
+        attn = self.model.attention_flops(prefix, n) if self.attention else 0.0
+        return 2.0 * self.model.params * n + attn
+
+    def level_chunk(self, prefix: int, token_budget: int) -> int:
+        """Largest chunk after `prefix` cached tokens costing no more than a
+        budget-sized chunk from an empty cache (dynamic chunking).
+
+        Without the attention term every chunk costs the same and this is
+        just the budget.
+        """
+        target = self.prefill_flops(0, token_budget)
+        lo, hi = 1, token_budget
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.prefill_flops(prefix, mid) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -1,0 +1,232 @@
+"""Run a workload through the real scheduler on a virtual clock (SimRunner).
+
+Workloads are arrival lists: built-in scenarios, or a JSONL trace with one
+request per line::
+
+    {"t": 0.25, "prompt_tokens": 812, "output_tokens": 64,
+     "prefix": "system-a", "prefix_tokens": 256, "id": "r7", "priority": 0}
+
+``t`` (seconds), ``prompt_tokens`` and ``output_tokens`` are required.
+Requests naming the same ``prefix`` share their first ``prefix_tokens``
+tokens, so prefix caching can be replayed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from core.batch import IterationRecord
+from core.config import CacheConfig, SchedulerConfig
+from core.cost_model import CostModel
+from core.engine import Engine
+from core.request import Request, SamplingParams
+from core.runner import SimRunner, VirtualClock
+from core.stats import gaps_ns, percentile, request_timings
+
+VOCAB = 32000
+
+
+@dataclass(slots=True)
+class Arrival:
+    at_s: float
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    priority: int = 0
+
+
+def _tokens(seed: Any, n: int) -> list[int]:
+    rng = random.Random(str(seed))
+    return [rng.randrange(17, VOCAB) for _ in range(n)]
+
+
+def make_arrival(
+    at_s: float,
+    request_id: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    prefix: str | None = None,
+    prefix_tokens: int = 0,
+    priority: int = 0,
+) -> Arrival:
+    shared = _tokens(("prefix", prefix), min(prefix_tokens, prompt_tokens)) if prefix else []
+    prompt = shared + _tokens(("request", request_id), prompt_tokens - len(shared))
+    return Arrival(at_s, request_id, prompt, output_tokens, priority)
+
+
+def load_trace(path: Path) -> list[Arrival]:
+    """Parse a JSONL trace; errors name the line."""
+    arrivals = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+            arrivals.append(
+                make_arrival(
+                    float(row["t"]),
+                    str(row.get("id", f"r{lineno}")),
+                    int(row["prompt_tokens"]),
+                    int(row["output_tokens"]),
+                    row.get("prefix"),
+                    int(row.get("prefix_tokens", 0)),
+                    int(row.get("priority", 0)),
+                )
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{lineno}: bad trace line ({exc!r})") from None
+        if arrivals[-1].at_s < 0 or len(arrivals[-1].prompt) < 1 or arrivals[-1].max_tokens < 1:
+            raise ValueError(f"{path}:{lineno}: t must be >= 0, prompt_tokens and output_tokens >= 1")
+    return arrivals
+
+
+def scenario(name: str) -> tuple[list[Arrival], dict[str, Any]]:
+    """Built-in workloads and the scheduler settings they assume.
+
+    seed-figure3: the article's figure 3 on its worked example: 64 users
+      decoding (B among them), then A arrives with an 8,192-token prompt;
+      budget 576 = 64 decode tokens + one 512-token chunk.
+    burst: the article's burst: the same 64 decoders, then ten 8,192-token
+      prompts at once.
+    """
+    decoders = [make_arrival(0.0, "B" if i == 0 else f"D{i}", 32, 120) for i in range(64)]
+    settings = {"token_budget": 576, "max_num_seqs": 128, "max_model_len": 16384}
+    if name == "seed-figure3":
+        return [*decoders, make_arrival(0.2, "A", 8192, 16)], settings
+    if name == "burst":
+        for a in decoders:
+            a.max_tokens = 400
+        return decoders + [make_arrival(0.2, f"L{i}", 8192, 8) for i in range(10)], settings
+    raise ValueError(f"unknown scenario {name!r} (seed-figure3, burst)")
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: dict[str, Request]
+    iterations: list[IterationRecord]
+    engine: Engine
+
+
+def simulate(arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: CacheConfig, cost: CostModel) -> SimResult:
+    clock = VirtualClock()
+    runner = SimRunner(cost, cache.block_size, clock, VOCAB)
+    engine = Engine(scheduler, cache, runner, clock, chunk_limit=cost.level_chunk)
+    pending = sorted(arrivals, key=lambda a: a.at_s)
+    requests: dict[str, Request] = {}
+    iterations = []
+    i = 0
+    while i < len(pending) or engine.has_work:
+        if not engine.has_work:
+            clock.now_ns = max(clock.now_ns, int(pending[i].at_s * 1e9))
+        while i < len(pending) and int(pending[i].at_s * 1e9) <= clock.now_ns:
+            a = pending[i]
+            req = Request(
+                a.request_id, a.prompt, SamplingParams(max_tokens=a.max_tokens), int(a.at_s * 1e9), a.priority
+            )
+            engine.add_request(req)
+            requests[a.request_id] = req
+            i += 1
+        out = engine.step()
+        if out is not None and out.iteration is not None:
+            iterations.append(out.iteration)
+        elif out is None and engine.has_work:
+            if i == len(pending):
+                raise RuntimeError("simulation stalled: requests remain but none can be scheduled")
+            clock.now_ns = int(pending[i].at_s * 1e9)
+    return SimResult(requests, iterations, engine)
+
+
+def report(result: SimResult) -> dict[str, Any]:
+    """Per request timings, summary percentiles over every gap, and the iterations."""
+    reqs = {}
+    all_gaps: list[float] = []
+    ttfts = []
+    for rid, req in result.requests.items():
+        t = request_timings(req.timeline)
+        all_gaps += [g / 1e6 for g in gaps_ns(req.timeline)]
+        ttfts.append(t.ttft_ms)
+        reqs[rid] = {
+            "arrival_ms": req.arrival_ns / 1e6,
+            "prompt_tokens": req.num_prompt_tokens,
+            "output_tokens": req.num_output_tokens,
+            "cached_tokens": req.num_cached_tokens,
+            "finish_reason": req.finish_reason,
+            "chunks": len(req.timeline.chunks),
+            "preemptions": req.num_preemptions,
+            **t.as_dict(),
+        }
+    its = result.iterations
+    start = min((r.arrival_ns for r in result.requests.values()), default=0)
+    end = max((it.end_ns for it in its), default=start)
+    out_tokens = sum(r["output_tokens"] for r in reqs.values())
+    config = result.engine.config
+    return {
+        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+        "summary": {
+            "requests": len(reqs),
+            "iterations": len(its),
+            "duration_ms": (end - start) / 1e6,
+            "output_tokens": out_tokens,
+            "throughput_tokens_per_s": out_tokens / ((end - start) / 1e9) if end > start else 0.0,
+            "ttft_p50_ms": percentile(ttfts, 50),
+            "ttft_p99_ms": percentile(ttfts, 99),
+            "itl_p50_ms": percentile(all_gaps, 50),
+            "itl_p99_ms": percentile(all_gaps, 99),
+            "max_gap_ms": max(all_gaps, default=0.0),
+            "preemptions": result.engine.scheduler.num_preemptions,
+            "prefix_hit_tokens": result.engine.kv.prefix_hit_tokens,
+        },
+        "requests": reqs,
+        "iterations": [
+            {
+                "iteration": it.iteration,
+                "start_ms": (it.start_ns - start) / 1e6,
+                "duration_ms": it.duration_ns / 1e6,
+                "decode_tokens": it.decode_tokens,
+                "prefill_tokens": it.prefill_tokens,
+                "chunks": it.chunks,
+                "kv_used_blocks": it.kv_used_blocks,
+            }
+            for it in its
+        ],
+    }
+
+
+def format_report(rep: dict[str, Any], max_rows: int = 12, show_iterations: bool = False) -> str:
+    s = rep["summary"]
+    c = rep["config"]
+    lines = [
+        f"chunking {c['chunking']}, token budget {c['token_budget']}, policy {c['policy']}: "
+        f"{s['requests']} requests, {s['iterations']} iterations, {s['duration_ms']:.1f} ms simulated",
+        f"TTFT p50 {s['ttft_p50_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms | ITL p50 {s['itl_p50_ms']:.2f} ms, "
+        f"p99 {s['itl_p99_ms']:.2f} ms, max gap {s['max_gap_ms']:.1f} ms | "
+        f"{s['throughput_tokens_per_s']:,.0f} tokens/s, {s['preemptions']} preemptions",
+        "",
+        f"  {'request':<10} {'prompt':>7} {'out':>5} {'queue':>8} {'prefill':>9} {'decode':>9} {'ttft':>9}"
+        f" {'itl p50':>8} {'itl p99':>8} {'max gap':>8}  (ms)",
+    ]
+    rows = sorted(rep["requests"].items(), key=lambda kv: (-kv[1]["prompt_tokens"], kv[1]["arrival_ms"]))
+    for rid, r in rows[:max_rows]:
+        lines.append(
+            f"  {rid:<10} {r['prompt_tokens']:>7} {r['output_tokens']:>5} {r['queue_wait_ms']:>8.1f}"
+            f" {r['prefill_ms']:>9.1f} {r['decode_ms']:>9.1f} {r['ttft_ms']:>9.1f} {r['itl_p50_ms']:>8.2f}"
+            f" {r['itl_p99_ms']:>8.2f} {r['max_gap_ms']:>8.1f}"
+        )
+    if len(rows) > max_rows:
+        lines.append(f"  ... {len(rows) - max_rows} more (longest prompts first; --json for all)")
+    if show_iterations:
+        lines += ["", "  iteration  start ms  duration ms  decode  prefill  chunks"]
+        for it in rep["iterations"]:
+            chunks = ", ".join(f"{k}:{v}" for k, v in it["chunks"].items())
+            lines.append(
+                f"  {it['iteration']:>9} {it['start_ms']:>9.1f} {it['duration_ms']:>12.2f} {it['decode_tokens']:>7}"
+                f" {it['prefill_tokens']:>8}  {chunks}"
+            )
+    return "\n".join(lines)

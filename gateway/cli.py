@@ -1,0 +1,175 @@
+"""``stallfree`` command line: plan, simulate (serve and the rest join later).
+
+Every ``--json`` output is exactly one JSON document on stdout; logs and
+errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from core.config import CHUNKING_MODES, POLICIES, CacheConfig, SchedulerConfig
+from core.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
+from core.planner import format_plan, plan
+from core.simulator import format_report, load_trace, report, scenario, simulate
+from gateway.logs import configure_logging
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return values
+
+
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and hardware (defaults: the article's 8B model on its illustrative GPU)")
+    m, hw = LLAMA3_8B, ARTICLE_GPU
+    g.add_argument("--params", type=float, default=m.params, help="parameter count (default %(default).3g)")
+    g.add_argument("--bytes-per-param", type=float, default=m.bytes_per_param, help="2 for bf16 (default)")
+    g.add_argument("--layers", type=int, default=m.layers)
+    g.add_argument("--heads", type=int, default=m.heads, help="query heads")
+    g.add_argument("--kv-heads", type=int, default=m.kv_heads)
+    g.add_argument("--head-dim", type=int, default=m.head_dim)
+    g.add_argument("--flops", type=float, default=hw.flops, help="sustained FLOP/s (default %(default).3g)")
+    g.add_argument("--mem-bw", type=float, default=hw.mem_bw, help="memory bandwidth, bytes/s (default %(default).3g)")
+    g.add_argument("--overhead-ms", type=float, default=0.0, help="fixed cost per iteration")
+    g.add_argument("--attention", action="store_true", help="add attention FLOPs to iteration times")
+    g.add_argument("--kv-reads", action="store_true", help="add KV-cache reads to iteration times")
+
+
+def _cost(args: argparse.Namespace) -> CostModel:
+    for name in ("params", "bytes_per_param", "flops", "mem_bw"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    model = ModelSpec(
+        "custom", args.params, args.bytes_per_param, args.layers, args.heads, args.kv_heads, args.head_dim
+    )
+    if dataclasses.replace(model, name=LLAMA3_8B.name) == LLAMA3_8B:
+        model = LLAMA3_8B
+    hardware = HardwareSpec("custom", args.flops, args.mem_bw, args.overhead_ms / 1e3)
+    if dataclasses.replace(hardware, name=ARTICLE_GPU.name) == ARTICLE_GPU:
+        hardware = ARTICLE_GPU
+    return CostModel(model, hardware, attention=args.attention, kv_reads=args.kv_reads)
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler (defaults: the scenario's, else the engine's)")
+    g.add_argument("--chunking", choices=CHUNKING_MODES)
+    g.add_argument("--token-budget", type=int)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-partial-prefills", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--policy", choices=POLICIES)
+    g.add_argument("--max-defer-s", type=float)
+    g.add_argument(
+        "--dynamic-chunking",
+        action="store_true",
+        default=None,
+        help="shrink later chunks so iteration time stays level (needs --attention to matter)",
+    )
+    g.add_argument("--decode-reserve-tokens", type=int)
+    g.add_argument("--kv-blocks", type=int, default=8192, help="KV cache size in blocks (default %(default)s)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _scheduler_config(args: argparse.Namespace, defaults: dict[str, Any]) -> SchedulerConfig:
+    values = dict(defaults)
+    for name in (
+        "chunking",
+        "token_budget",
+        "max_num_seqs",
+        "max_partial_prefills",
+        "max_model_len",
+        "policy",
+        "max_defer_s",
+        "dynamic_chunking",
+        "decode_reserve_tokens",
+    ):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return SchedulerConfig(**values)
+
+
+def _emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        print(text)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    p = plan(_cost(args), args.decoders, args.prompt, args.budget, args.burst, args.decode_context)
+    _emit(args, p, format_plan(p))
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    if args.trace:
+        arrivals, defaults = load_trace(args.trace), {}
+    else:
+        arrivals, defaults = scenario(args.scenario)
+    config = _scheduler_config(args, defaults)
+    cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
+    result = simulate(arrivals, config, cache, _cost(args))
+    for warning in result.engine.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    rep = report(result)
+    rep["scenario"] = str(args.trace) if args.trace else args.scenario
+    _emit(args, rep, format_report(rep, show_iterations=args.iterations))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stallfree", description="Stall-free LLM serving gateway and tools.")
+    parser.add_argument("--log-level", default="warning", help="log level on stderr (default %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="the article's roofline arithmetic for a model, GPU and token budget")
+    _add_cost_args(p)
+    p.add_argument("--decoders", type=int, default=64, help="running decode requests (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=8192, help="long prompt tokens (default %(default)s)")
+    p.add_argument(
+        "--budget",
+        type=_int_list,
+        default=(576,),
+        help="token budget(s), comma-separated; the first is the headline (default 576)",
+    )
+    p.add_argument("--burst", type=int, default=10, help="prompts in the burst example (default %(default)s)")
+    p.add_argument("--decode-context", type=int, default=0, help="cached tokens per decoder (for --kv-reads)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("simulate", help="run a workload through the real scheduler on a virtual clock")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--scenario", default="seed-figure3", help="seed-figure3 (default) or burst")
+    src.add_argument("--trace", type=Path, help="JSONL workload: t, prompt_tokens, output_tokens[, prefix, ...]")
+    _add_scheduler_args(s)
+    _add_cost_args(s)
+    s.add_argument("--iterations", action="store_true", help="also print every iteration")
+    s.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    s.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"stallfree {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
