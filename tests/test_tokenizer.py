@@ -1,0 +1,78 @@
+"""Tokenizer (GGUF and HF forms) and the streaming detokenizer."""
+
+import pytest
+
+from core.detokenizer import Detokenizer
+from core.export import export_hf_dir
+from core.loader import load_tiny
+from core.tokenizer import Tokenizer
+
+TEXTS = ["What is the capital of France?", "x = 12345 + 6.7", "Héllo wörld 你好 🎉\n\ttabs", "  spaces  "]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tiny()
+
+
+def test_roundtrip_and_digit_split(tiny):
+    tok = tiny.tokenizer
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    digits = tok.encode("12345")
+    assert len(digits) == 5  # digits are split one by one
+
+
+def test_control_tokens_are_special(tiny):
+    tok = tiny.tokenizer
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1
+    assert ids[-1] == 2
+    assert tok.eos_token_ids == frozenset({2})
+    assert len(tok.special_ids) == 17
+    assert tok.token_bytes[2] == b""
+
+
+def test_chat_template(tiny):
+    text = tiny.tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>system" in text
+
+
+def test_hf_export_roundtrip(tiny, tmp_path):
+    export_hf_dir(tiny, tmp_path)
+    hf = Tokenizer.from_hf_dir(tmp_path)
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        assert hf.encode(text) == tiny.tokenizer.encode(text)
+    assert hf.eos_token_ids == tiny.tokenizer.eos_token_ids
+    assert hf.render_chat([{"role": "user", "content": "Hi"}]) == tiny.tokenizer.render_chat(
+        [{"role": "user", "content": "Hi"}]
+    )
+
+
+def test_detokenizer_never_emits_partial_utf8(tiny):
+    tok = tiny.tokenizer
+    ids = tok.encode("🎉 你好")
+    assert len(ids) > 3  # the emoji is split over several byte tokens
+    d = Detokenizer(tok.token_bytes)
+    pieces = [d.push([i]) for i in ids] + [d.flush()]
+    assert "".join(pieces) == "🎉 你好"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_stop_strings_across_tokens(tiny):
+    tok = tiny.tokenizer
+    ids = tok.encode("The answer is 42. END of story")
+    d = Detokenizer(tok.token_bytes, stop=("END",))
+    out = ""
+    for i in ids:
+        out += d.push([i])
+        if d.stopped:
+            break
+    assert out == "The answer is 42. "
+    assert d.stopped
+    assert d.flush() == ""
+    held = Detokenizer(tok.token_bytes, stop=("ENDING",))
+    text = "".join(held.push([i]) for i in tok.encode("no stop here")) + held.flush()
+    assert text == "no stop here"
+    assert not held.stopped
