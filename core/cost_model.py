@@ -45,6 +45,9 @@ class HardwareSpec:
     flops: float  # sustained dense FLOP/s
     mem_bw: float  # bytes/s
     overhead_s: float = 0.0  # fixed per iteration: scheduling, launch, sampling
+    # attention kernels often run well below GEMM speed (CPU SDPA here: ~10x);
+    # 0 means "same as flops"
+    attention_flops: float = 0.0
 
 
 # The article's illustrative figures (not benchmarks).
@@ -60,7 +63,8 @@ class CostModel:
     kv_reads: bool = False  # add KV-cache read bytes
 
     def compute_s(self, tokens: int, attn_flops: float = 0.0) -> float:
-        return (2.0 * self.model.params * tokens + attn_flops) / self.hardware.flops
+        hw = self.hardware
+        return 2.0 * self.model.params * tokens / hw.flops + attn_flops / (hw.attention_flops or hw.flops)
 
     def memory_s(self, kv_tokens_read: int = 0) -> float:
         return (self.model.weight_bytes + kv_tokens_read * self.model.kv_bytes_per_token) / self.hardware.mem_bw

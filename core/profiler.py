@@ -1,0 +1,243 @@
+"""Measure iteration time against batch composition on the real model, fit the
+cost model to this machine, and pick the token budget from a TPOT target.
+
+The Sarathi-Serve recipe: the largest budget whose iteration time still meets
+the TPOT SLO, since every decode waits one iteration per token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from core.batch import Batch, Item
+from core.block_manager import BlockManager
+from core.cost_model import CostModel, HardwareSpec, ModelSpec
+from core.model_runner import ModelRunner
+from core.request import Request, SamplingParams
+
+FULL_CHUNKS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+QUICK_CHUNKS = (16, 128, 512, 1024, 2048)
+
+
+@dataclass(slots=True)
+class Point:
+    decodes: int
+    decode_context: int
+    chunk: int
+    prefix: int
+    measured_ms: float
+    predicted_ms: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.chunk
+
+
+class _Bench:
+    """Builds batches of fake requests straight onto the runner's KV cache."""
+
+    def __init__(self, runner: ModelRunner, num_blocks: int) -> None:
+        self.runner = runner
+        self.kv = BlockManager(num_blocks, runner.block_size, enable_prefix_caching=False)
+        self.n = 0
+
+    def request(self, computed: int, new: int) -> Request:
+        self.n += 1
+        ids = [(self.n * 7919 + i) % 30000 + 100 for i in range(computed + new)]
+        req = Request(f"p{self.n}", ids, SamplingParams(max_tokens=1), 0)
+        if not (self.kv.admit(req, computed + new) and self.kv.allocate(req, computed + new)):
+            raise ValueError("KV cache too small for the profile; raise --kv-cache-gib")
+        req.num_computed_tokens = computed
+        return req
+
+    def time_ms(self, decodes: int, ctx: int, chunk: int, prefix: int, repeats: int) -> float:
+        reqs = [self.request(ctx, 1) for _ in range(decodes)]
+        items = [Item(r, ctx, 1, is_prefill=False) for r in reqs]
+        if chunk:
+            r = self.request(prefix, chunk)
+            reqs.append(r)
+            items.append(Item(r, prefix, chunk, is_prefill=True))
+        batch = Batch(0, items)
+        self.runner.execute(batch)  # warm-up (allocator, caches)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.runner.execute(batch)
+            times.append((time.perf_counter() - start) * 1e3)
+        for r in reqs:
+            self.kv.free(r)
+        return statistics.median(times)
+
+
+def measure(runner: ModelRunner, num_blocks: int, quick: bool = False, decodes: int = 8, ctx: int = 256) -> list[Point]:
+    """Iteration time for: decode-only batches; `decodes` decodes plus a chunk of
+    each size (the budget curve); one chunk after a growing prefix."""
+    b = _Bench(runner, num_blocks)
+    repeats = 2 if quick else 3
+    points = [
+        Point(n, ctx, 0, 0, b.time_ms(n, ctx, 0, 0, repeats)) for n in ((1, 8, 32) if quick else (1, 8, 16, 32, 64))
+    ]
+    for chunk in QUICK_CHUNKS if quick else FULL_CHUNKS:
+        points.append(Point(decodes, ctx, chunk, 0, b.time_ms(decodes, ctx, chunk, 0, repeats)))
+    for prefix in (1024, 3072) if quick else (512, 1024, 2048, 4096):
+        points.append(Point(0, 0, 256, prefix, b.time_ms(0, 0, 256, prefix, repeats)))
+    return points
+
+
+def fit(runner: ModelRunner, points: list[Point]) -> CostModel:
+    """Fit the roofline's FLOP/s, bandwidth, fixed overhead and attention FLOP/s
+    to the measurements, minimising the summed |log(predicted / measured)|:
+    a coarse grid, then multiplicative refinement of one coefficient at a time."""
+    spec = runner.config.spec(runner.dtype.itemsize)
+
+    def cost_of(v: tuple[float, float, float, float]) -> CostModel:
+        return CostModel(spec, HardwareSpec("fitted", v[0], v[1], v[2], v[3]), attention=True, kv_reads=True)
+
+    def loss(v: tuple[float, float, float, float]) -> float:
+        c = cost_of(v)
+        return sum(abs(math.log(_predict_ms(c, p) / p.measured_ms)) for p in points)
+
+    grid = itertools.product(
+        [f * 1e9 for f in (10, 30, 100, 300, 1000, 3000, 10000, 100000)],  # FLOP/s
+        [b * 1e9 for b in (2, 5, 10, 20, 50, 200, 1000, 4000)],  # bytes/s
+        [o / 1e3 for o in (0.0, 0.1, 1.0, 3.0, 10.0)],  # overhead s
+        [a * 1e9 for a in (3, 10, 30, 100, 300, 1000, 10000, 100000)],  # attention FLOP/s
+    )
+    best = min(grid, key=loss)
+    for step in (2.0, 1.4, 1.15, 1.05):
+        improved = True
+        while improved:
+            improved = False
+            for i in range(4):
+                for factor in (step, 1 / step):
+                    trial = list(best)
+                    trial[i] = trial[i] * factor if trial[i] else (1e-4 if factor > 1 else 0.0)
+                    if loss(tuple(trial)) < loss(best):
+                        best, improved = tuple(trial), True
+    cost = cost_of(best)
+    for p in points:
+        p.predicted_ms = _predict_ms(cost, p)
+    return cost
+
+
+def _predict_ms(cost: CostModel, p: Point) -> float:
+    chunks = [(p.prefix, p.chunk)] if p.chunk else []
+    return cost.iteration_s([p.decode_context] * p.decodes, chunks) * 1e3
+
+
+def choose_budget(points: list[Point], tpot_slo_ms: float) -> tuple[int, str]:
+    """Largest budget on the measured budget curve (decodes + one chunk, no
+    prefix) whose iteration time meets the SLO, interpolated between points."""
+    curve = sorted((p.tokens, p.measured_ms) for p in points if p.chunk and p.prefix == 0)
+    if curve[0][1] > tpot_slo_ms:
+        return curve[0][0], f"even {curve[0][0]} tokens take {curve[0][1]:.1f} ms > SLO; using the smallest measured"
+    best = curve[0][0]
+    for (t0, m0), (t1, m1) in itertools.pairwise(curve):
+        if m1 <= tpot_slo_ms:
+            best = t1
+        else:
+            best = int(t0 + (t1 - t0) * (tpot_slo_ms - m0) / (m1 - m0)) if m1 > m0 else t0
+            break
+    else:
+        return best, f"the whole measured curve (up to {best} tokens) meets the SLO"
+    return max(best // 16 * 16, curve[0][0]), "interpolated on the measured curve"
+
+
+@dataclass(slots=True)
+class Profile:
+    model: str
+    dtype: str
+    threads: int
+    points: list[Point]
+    spec: ModelSpec
+    hardware: HardwareSpec
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The fitted cost model: calibrates simulate and dynamic chunking."""
+        return CostModel(self.spec, self.hardware, attention=True, kv_reads=True)
+
+    def errors_pct(self) -> list[float]:
+        return [abs(p.predicted_ms - p.measured_ms) / p.measured_ms * 100 for p in self.points]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "model_spec": asdict(self.spec),
+            "hardware": asdict(self.hardware),
+            "points": [{**asdict(p), "tokens": p.tokens} for p in self.points],
+            "simulated_vs_measured_error_pct": {
+                "mean": statistics.fmean(self.errors_pct()),
+                "max": max(self.errors_pct()),
+            },
+        }
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        d = json.loads(path.read_text())
+        points = [Point(**{k: v for k, v in p.items() if k != "tokens"}) for p in d["points"]]
+        return cls(
+            d["model"], d["dtype"], d["threads"], points, ModelSpec(**d["model_spec"]), HardwareSpec(**d["hardware"])
+        )
+
+
+def profile_runner(runner: ModelRunner, num_blocks: int, threads: int, quick: bool = False) -> Profile:
+    points = measure(runner, num_blocks, quick)
+    cost = fit(runner, points)
+    dtype = str(runner.dtype).removeprefix("torch.")
+    return Profile(runner.config.name, dtype, threads, points, cost.model, cost.hardware)
+
+
+def default_profile_path(model: str, dtype: str, threads: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return Path.home() / ".cache" / "stallfree" / f"profile-{safe}-{dtype}-{threads}t.json"
+
+
+def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
+    hw = p.hardware
+    lines = [
+        f"{p.model} ({p.dtype}, {p.threads} threads): fitted {hw.flops / 1e12:.2f} TFLOP/s (GEMM), "
+        f"{(hw.attention_flops or hw.flops) / 1e12:.3f} TFLOP/s (attention), {hw.mem_bw / 1e9:.1f} GB/s, "
+        f"{hw.overhead_s * 1e3:.2f} ms fixed per iteration",
+        "",
+        "  decodes  context  chunk  prefix  tokens  measured ms  simulated ms  error",
+    ]
+    for pt, err in zip(p.points, p.errors_pct(), strict=True):
+        lines.append(
+            f"  {pt.decodes:>7}  {pt.decode_context:>7}  {pt.chunk:>5}  {pt.prefix:>6}  {pt.tokens:>6}"
+            f"  {pt.measured_ms:>11.1f}  {pt.predicted_ms:>12.1f}  {err:>4.0f}%"
+        )
+    errs = p.errors_pct()
+    lines.append(f"  simulated vs measured: mean error {statistics.fmean(errs):.0f}%, max {max(errs):.0f}%")
+    if tpot_slo_ms is not None:
+        budget, how = choose_budget(p.points, tpot_slo_ms)
+        lines += ["", f"token_budget for a {tpot_slo_ms:g} ms TPOT target: {budget} ({how})"]
+    return "\n".join(lines)
+
+
+def saved_or_quick_profile(runner: ModelRunner, num_blocks: int, threads: int) -> tuple[Profile, str]:
+    """The saved profile for this model, dtype and thread count, or a quick one
+    measured now (and saved). Returns the profile and where it came from."""
+    dtype = str(runner.dtype).removeprefix("torch.")
+    path = default_profile_path(runner.config.name, dtype, threads)
+    if path.exists():
+        try:
+            return Profile.load(path), str(path)
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable or from an older format: measure again
+    prof = profile_runner(runner, num_blocks, threads, quick=True)
+    prof.save(path)
+    return prof, f"quick profile at startup, saved to {path}"
