@@ -9,9 +9,17 @@ from dataclasses import dataclass
 import torch
 
 from core.config import CacheConfig, SchedulerConfig
+from core.cost_model import CostModel, HardwareSpec
 from core.engine import Engine
-from core.loader import load_model
+from core.gguf import GGUFFile
+from core.loader import embedded_model_path, gguf_config, load_model
 from core.model_runner import ModelRunner, kv_blocks_for, resolve_dtype
+from core.runner import SimRunner
+from core.tokenizer import Tokenizer
+
+# Roughly this 2-core CPU running the embedded SmolLM2 in bf16 (fitted by
+# `stallfree profile`); the simulated server's default cost.
+CPU_LIKE = HardwareSpec("cpu-like", flops=0.5e12, mem_bw=10e9, overhead_s=0.007, attention_flops=0.16e12)
 
 
 @dataclass(slots=True)
@@ -44,3 +52,23 @@ def build_engine(settings: ModelSettings, scheduler: SchedulerConfig) -> tuple[E
     runner = ModelRunner(loaded, num_blocks, settings.block_size, dtype, device)
     scheduler = dataclasses.replace(scheduler, max_model_len=min(scheduler.max_model_len, loaded.config.max_position))
     return Engine(scheduler, CacheConfig(num_blocks, settings.block_size), runner), runner
+
+
+def build_sim_engine(
+    scheduler: SchedulerConfig,
+    cost: CostModel | None = None,
+    kv_cache_gib: float = 2.0,
+    block_size: int = 16,
+    time_scale: float = 1.0,
+    read_context: bool = True,
+) -> tuple[Engine, Tokenizer]:
+    """An engine on SimRunner in real time (it sleeps each iteration's predicted
+    cost), with the embedded model's tokenizer, so a whole server runs
+    without the model."""
+    gguf = GGUFFile(embedded_model_path())
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    if cost is None:
+        cost = CostModel(gguf_config(gguf).spec(2), CPU_LIKE, attention=True, kv_reads=True)
+    num_blocks = max(1, int(kv_cache_gib * 2**30) // (block_size * cost.model.kv_bytes_per_token))
+    runner = SimRunner(cost, block_size, None, tokenizer.vocab_size, time_scale, read_context)
+    return Engine(scheduler, CacheConfig(num_blocks, block_size), runner, chunk_limit=cost.level_chunk), tokenizer

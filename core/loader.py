@@ -85,8 +85,8 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path) -> LoadedModel:
-    g = GGUFFile(path)
+def gguf_config(g: GGUFFile) -> ModelConfig:
+    """The architecture from a GGUF file's metadata and tensor names."""
     meta = g.metadata
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2"):
@@ -99,16 +99,15 @@ def load_gguf(path: Path) -> LoadedModel:
         return value
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    kv_heads = int(key("attention.head_count_kv", heads))
     tokens = meta.get("tokenizer.ggml.tokens", [])
-    config = ModelConfig(
-        name=str(meta.get("general.name", path.stem)),
+    return ModelConfig(
+        name=str(meta.get("general.name", g.path.stem)),
         vocab_size=int(key("vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")),
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(key("rope.dimension_count", hidden // heads)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -116,6 +115,13 @@ def load_gguf(path: Path) -> LoadedModel:
         tie_embeddings="output.weight" not in g.tensors,
         attention_bias="blk.0.attn_q.bias" in g.tensors,
     )
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    g = GGUFFile(path)
+    config = gguf_config(g)
+    arch = g.metadata["general.architecture"]
+    heads, kv_heads = config.num_heads, config.num_kv_heads
     weights: dict[str, torch.Tensor] = {}
     for name in g.tensors:
         w = torch.from_numpy(g.array(name))
@@ -136,7 +142,7 @@ def load_gguf(path: Path) -> LoadedModel:
             continue
         weights[hf] = w
     _check_complete(weights, config, path)
-    return LoadedModel(config, weights, Tokenizer.from_gguf_metadata(meta), str(path))
+    return LoadedModel(config, weights, Tokenizer.from_gguf_metadata(g.metadata), str(path))
 
 
 # -- Hugging Face directory ---------------------------------------------------

@@ -62,6 +62,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.threads = torch.get_num_threads()
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.tokenizer.eos_token_ids
         self.model = LlamaModel(c, loaded.weights, dtype, device)

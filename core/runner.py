@@ -47,6 +47,9 @@ class SimRunner:
 
     With ``clock`` it advances that virtual clock by the predicted iteration
     time; without, it sleeps that long (a stand-in model for gateway tests).
+    ``read_context=False`` skips reading the context back (tokens then depend
+    only on the last token and position): for load tests of the gateway,
+    where the check would cost more than the model it stands in for.
     """
 
     eos_token_ids: frozenset[int] = frozenset()
@@ -58,12 +61,14 @@ class SimRunner:
         clock: VirtualClock | None = None,
         vocab_size: int = 32000,
         time_scale: float = 1.0,
+        read_context: bool = True,
     ) -> None:
         self.cost = cost
         self.block_size = block_size
         self.clock = clock
         self.vocab_size = vocab_size
         self.time_scale = time_scale
+        self.read_context = read_context
         self._slots: dict[int, list[int]] = {}
 
     def predict_s(self, batch: Batch) -> float:
@@ -78,6 +83,10 @@ class SimRunner:
         for item in batch.items:
             req = item.request
             end = item.start + item.num_tokens
+            if not self.read_context:
+                if item.samples:
+                    sampled.append(17 + (req.token_at(end - 1) * 7919 + end) % (self.vocab_size - 17))
+                continue
             for pos, token in enumerate(req.tokens(item.start, end), item.start):
                 self._slots.setdefault(req.block_ids[pos // bs], [0] * bs)[pos % bs] = token
             if item.samples:

@@ -8,25 +8,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
-import torch
 
-from core.build import ModelSettings, build_engine
+from core.build import ModelSettings, build_engine, build_sim_engine
 from core.config import CHUNKING_MODES, POLICIES, CacheConfig, SchedulerConfig
 from core.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
 from core.detokenizer import Detokenizer
 from core.loader import ModelLoadError
 from core.planner import format_plan, plan
-from core.profiler import Profile, choose_budget, default_profile_path, format_profile, profile_runner
+from core.profiler import (
+    Profile,
+    choose_budget,
+    default_profile_path,
+    format_profile,
+    profile_runner,
+    saved_or_quick_profile,
+)
 from core.request import Request, SamplingParams
 from core.simulator import format_report, load_trace, report, scenario, simulate
 from core.stats import request_timings
+from gateway.engine_client import EngineClient
 from gateway.logs import configure_logging
+from gateway.serve import log_startup, make_server
+from gateway.settings import GatewaySettings
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -73,7 +83,7 @@ def _cost(args: argparse.Namespace) -> CostModel:
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler (defaults: the scenario's, else the engine's)")
     g.add_argument("--chunking", choices=CHUNKING_MODES)
-    g.add_argument("--token-budget", type=int)
+    g.add_argument("--token-budget", type=_budget, help="tokens per iteration (serve also takes 'auto')")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-partial-prefills", type=int)
     g.add_argument("--max-model-len", type=int)
@@ -86,13 +96,28 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="shrink later chunks so iteration time stays level (needs --attention to matter)",
     )
     g.add_argument("--decode-reserve-tokens", type=int)
+
+
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated KV cache")
     g.add_argument("--kv-blocks", type=int, default=8192, help="KV cache size in blocks (default %(default)s)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
 
 
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer or 'auto'") from None
+
+
 def _scheduler_config(args: argparse.Namespace, defaults: dict[str, Any]) -> SchedulerConfig:
     values = dict(defaults)
+    if args.token_budget == "auto":
+        raise ValueError("--token-budget auto needs the real model (stallfree serve)")
     for name in (
         "chunking",
         "token_budget",
@@ -184,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(
         f"[{req.num_prompt_tokens} prompt tokens, {n} generated, TTFT {t.ttft_ms:.0f} ms, "
         f"{(n - 1) / (t.decode_ms / 1e3) if n > 1 and t.decode_ms else 0:.1f} tokens/s decoding, "
-        f"{runner.dtype}, {torch.get_num_threads()} threads]",
+        f"{runner.dtype}, {runner.threads} threads]",
         file=sys.stderr,
     )
 
@@ -192,7 +217,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_profile(args: argparse.Namespace) -> None:
     settings = _model_settings(args)
     engine, runner = build_engine(settings, SchedulerConfig())
-    threads = torch.get_num_threads()
+    threads = runner.threads
     prof = profile_runner(runner, engine.kv.num_blocks, threads, quick=args.quick)
     path = args.save or default_profile_path(runner.config.name, prof.dtype, threads)
     prof.save(path)
@@ -202,9 +227,51 @@ def cmd_profile(args: argparse.Namespace) -> None:
     _emit(args, doc, format_profile(prof, args.tpot_slo_ms))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    auto_budget = args.token_budget == "auto"
+    if auto_budget:
+        args.token_budget = None
+    config = _scheduler_config(args, {})
+    keys = tuple(args.api_key or ()) + tuple(k for k in os.environ.get("STALLFREE_API_KEYS", "").split(",") if k)
+    settings = GatewaySettings(
+        max_waiting=args.max_waiting,
+        max_generations_per_connection=args.max_generations_per_connection,
+        slow_consumer_s=args.slow_consumer_s,
+        api_keys=keys,
+        allowed_origins=tuple(args.allowed_origin or ()),
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    facts: dict[str, object] = {}
+    if args.sim:
+        cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
+        engine, tokenizer = build_sim_engine(
+            config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
+        )
+        settings.model_name = "stallfree-sim"
+        facts = {"runner": "simulated"}
+    else:
+        engine, runner = build_engine(_model_settings(args), config)
+        tokenizer = runner.tokenizer
+        settings.model_name = args.model_name or runner.config.name
+        facts = {"runner": "torch", "dtype": str(runner.dtype), "threads": runner.threads, "device": str(runner.device)}
+        if auto_budget or args.dynamic_chunking:
+            prof, source = saved_or_quick_profile(runner, engine.kv.num_blocks, runner.threads)
+            engine.scheduler.chunk_limit = prof.cost_model.level_chunk
+            facts["profile"] = source
+            if auto_budget:
+                budget, how = choose_budget(prof.points, args.tpot_slo_ms)
+                engine.warnings += engine.reconfigure({"token_budget": budget})
+                facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
+    client = EngineClient(engine, tokenizer, settings)
+    send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
+    server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
+    log_startup(engine, client, api_keys=len(keys), host=args.host, port=args.port, **facts)
+    server.run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stallfree", description="Stall-free LLM serving gateway and tools.")
-    parser.add_argument("--log-level", default="warning", help="log level on stderr (default %(default)s)")
+    parser.add_argument("--log-level", help="log level on stderr (default: info for serve, else warning)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="the article's roofline arithmetic for a model, GPU and token budget")
@@ -227,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--scenario", default="seed-figure3", help="seed-figure3 (default) or burst")
     src.add_argument("--trace", type=Path, help="JSONL workload: t, prompt_tokens, output_tokens[, prefix, ...]")
     _add_scheduler_args(s)
+    _add_kv_args(s)
     _add_cost_args(s)
     s.add_argument("--profile", type=Path, help="cost model from `stallfree profile` (this machine's real model)")
     s.add_argument("--iterations", action="store_true", help="also print every iteration")
@@ -250,12 +318,32 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="one JSON document on stdout")
     _add_model_args(pr)
     pr.set_defaults(func=cmd_profile)
+    sv = sub.add_parser("serve", help="run the gateway: WebSocket streaming, OpenAI-compatible API, dashboard")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    _add_model_args(sv)
+    sv.add_argument("--model-name", help="the model id the API reports (default: the model's own name)")
+    _add_scheduler_args(sv)
+    sv.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target for --token-budget auto")
+    gw = sv.add_argument_group("gateway")
+    gw.add_argument("--api-key", action="append", help="require this key (repeatable; also STALLFREE_API_KEYS)")
+    gw.add_argument("--allowed-origin", action="append", help="WebSocket Origin allowed (repeatable)")
+    gw.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 'overloaded'")
+    gw.add_argument("--max-generations-per-connection", type=int, default=32)
+    gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
+    gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
+    gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")
+    sim = sv.add_argument_group("simulated runner (no model: the cost model sets each iteration's time)")
+    sim.add_argument("--sim", action="store_true", help="serve with the simulated runner")
+    sim.add_argument("--sim-profile", type=Path, help="cost model from `stallfree profile`")
+    sim.add_argument("--sim-time-scale", type=float, default=1.0, help="multiply simulated iteration times")
+    sv.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level or ("info" if args.command == "serve" else "warning"))
     try:
         args.func(args)
     except (ValueError, OSError, ModelLoadError) as exc:

@@ -1,0 +1,116 @@
+"""The ASGI application: routes, API-key check, lifespan of the step thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from core.config import LIVE_SETTINGS
+from gateway.auth import key_matches, request_key
+from gateway.engine_client import EngineClient
+from gateway.openai_api import chat_completions, completions, error_response, models, read_json
+from gateway.protocol import ProtocolError, error_body
+from gateway.websocket import stream_endpoint
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    client: EngineClient = request.app.state.client
+    ready = client.ready and client.accepting
+    return JSONResponse({"ready": ready, "in_flight": client.num_in_flight}, status_code=200 if ready else 503)
+
+
+async def config_view(client: EngineClient) -> dict[str, Any]:
+    """Settings and KV usage, read on the step thread between iterations."""
+    engine = client.engine
+
+    def snapshot() -> dict[str, Any]:
+        kv = engine.kv
+        return {
+            "scheduler": dataclasses.asdict(engine.config),
+            "kv_cache": {
+                "blocks": kv.num_blocks,
+                "block_size": kv.block_size,
+                "used_blocks": kv.num_used_blocks,
+                "free_blocks": kv.num_free_blocks,
+                "cached_blocks": kv.num_cached_blocks,
+            },
+        }
+
+    view = await asyncio.wrap_future(client.step_loop.call(snapshot))
+    return {**view, "live_settings": list(LIVE_SETTINGS), "model": client.settings.model_name}
+
+
+async def api_config(request: Request) -> Response:
+    client: EngineClient = request.app.state.client
+    if request.method == "GET":
+        return JSONResponse(await config_view(client))
+    try:
+        changes = await read_json(request, client.settings.max_body_bytes)
+        warnings = await asyncio.wrap_future(client.step_loop.reconfigure(changes))
+    except ProtocolError as exc:
+        return error_response(exc.code, exc.message)
+    except (ValueError, TypeError) as exc:
+        return error_response("invalid_request", str(exc))
+    return JSONResponse({**await config_view(client), "warnings": warnings})
+
+
+class ApiKeyMiddleware:
+    """With keys set: /v1/* and changes to /api/config need a key (WebSockets
+    check it themselves, since browsers cannot set headers there)."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.keys and scope["type"] == "http" and self._guarded(scope):
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            if not key_matches(request_key(headers), self.keys):
+                body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _guarded(scope: Scope) -> bool:
+        path = scope["path"]
+        return path.startswith("/v1/") or (path == "/api/config" and scope["method"] != "GET")
+
+
+def create_app(client: EngineClient) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            client.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/api/config", api_config, methods=["GET", "PUT"]),
+            Route("/v1/models", models),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            WebSocketRoute("/v1/stream", stream_endpoint),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.client = client
+    app.add_middleware(ApiKeyMiddleware, keys=client.settings.api_keys)
+    return app

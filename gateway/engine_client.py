@@ -1,0 +1,162 @@
+"""The bridge between the event loop and the engine's step thread.
+
+``submit`` tokenizes off the event loop, queues the request on the step
+thread's inbox and returns its ``RequestStream``. The step thread's output
+callback makes exactly one ``call_soon_threadsafe`` per iteration; on the
+loop, ``_fan_out`` spreads that iteration's tokens over the streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import structlog
+
+from core.engine import Engine, RequestRejected, StepOutput
+from core.request import Request
+from core.step_loop import StepLoop
+from core.tokenizer import Tokenizer
+from gateway.protocol import GenerateRequest, ProtocolError
+from gateway.settings import GatewaySettings
+from gateway.streams import SLOW_CONSUMER, RequestStream
+
+log = structlog.get_logger(__name__)
+
+
+class EngineClient:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, settings: GatewaySettings) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.step_loop = StepLoop(engine, self._on_step)
+        self.accepting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._unstarted: set[str] = set()  # accepted, no first token yet
+        self._ids = itertools.count()
+        self._last_submit_ns = 0
+        # called on the loop with every StepOutput (metrics, telemetry)
+        self.step_listeners: list[Callable[[StepOutput], None]] = []
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.step_loop.start()
+        self.accepting = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting; give in-flight requests timeout_s to finish, then cancel the rest."""
+        self.accepting = False
+        with anyio.move_on_after(timeout_s):
+            while self._streams:
+                await anyio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.cancel(request_id)
+        with anyio.move_on_after(2.0):
+            while self._streams:
+                await anyio.sleep(0.02)
+
+    def stop(self) -> None:
+        self.accepting = False
+        self.step_loop.stop()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def ready(self) -> bool:
+        """Step thread alive, and (with work in flight) iterating within the last 30 s."""
+        if not self.step_loop.alive:
+            return False
+        last = max(self.step_loop.last_step_ns, self._last_submit_ns)
+        return not self._streams or time.perf_counter_ns() - last < 30e9
+
+    # -- requests ----------------------------------------------------------
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def _tokenize(self, req: GenerateRequest) -> list[int]:
+        if req.messages is not None:
+            try:
+                text = self.tokenizer.render_chat(req.messages)
+            except Exception as exc:  # a template error is the caller's input problem
+                raise ProtocolError("invalid_request", f"chat template failed: {exc}") from None
+        else:
+            text = req.prompt or ""
+        return self.tokenizer.encode(text)
+
+    async def submit(self, req: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
+        """Queue a request; returns its stream and prompt length. Raises ProtocolError."""
+        arrival_ns = time.perf_counter_ns()
+        if not self.accepting:
+            raise ProtocolError("overloaded", "server is shutting down")
+        if len(self._unstarted) >= self.settings.max_waiting:
+            raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
+        ids = await anyio.to_thread.run_sync(self._tokenize, req)
+        sampling = req.sampling
+        limit = self.engine.config.max_model_len
+        if not req.max_tokens_given:
+            sampling.max_tokens = max(1, limit - len(ids))
+        request = Request(request_id, ids, sampling, arrival_ns, req.priority)
+        try:
+            future = self.step_loop.submit(request)
+        except RequestRejected as exc:
+            raise ProtocolError(exc.code, str(exc)) from None
+        except ValueError as exc:
+            raise ProtocolError("invalid_request", str(exc)) from None
+        stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
+        self._streams[request_id] = stream
+        self._unstarted.add(request_id)
+        self._last_submit_ns = time.perf_counter_ns()
+        future.add_done_callback(lambda f: self._submit_failed(request_id, f.exception()) if f.exception() else None)
+        return stream, len(ids)
+
+    def _submit_failed(self, request_id: str, exc: BaseException | None) -> None:
+        """Step thread: the engine refused a request that passed the checks (a bug)."""
+        log.error("engine_refused_request", request_id=request_id, error=repr(exc))
+        self._call_soon(self._fail, request_id, "error")
+
+    def cancel(self, request_id: str) -> None:
+        """Abort in the engine (KV freed there); the stream ends with reason 'abort'."""
+        if request_id in self._streams:
+            self.step_loop.abort(request_id)
+
+    # -- step thread -> loop -----------------------------------------------
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _on_step(self, out: StepOutput) -> None:
+        """Step thread: one thread-safe call per iteration."""
+        self._call_soon(self._fan_out, out)
+
+    def _fan_out(self, out: StepOutput) -> None:
+        emit_ns = out.iteration.end_ns if out.iteration else time.perf_counter_ns()
+        for o in out.outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            self._unstarted.discard(o.request_id)
+            if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
+                log.warning("slow_consumer", request_id=o.request_id)
+                self._fail(o.request_id, SLOW_CONSUMER)
+            elif o.finish_reason is not None:
+                del self._streams[o.request_id]
+        for listener in self.step_listeners:
+            try:
+                listener(out)
+            except Exception:
+                log.exception("step_listener_failed")
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        self._unstarted.discard(request_id)
+        if stream is not None:
+            stream.fail(reason)
+            self.step_loop.abort(request_id)

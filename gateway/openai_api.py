@@ -1,0 +1,202 @@
+"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions.
+
+Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), with
+``stream_options.include_usage``. A client that disconnects aborts its
+request (and frees its KV) whether it streams or not. Extensions beyond
+OpenAI's fields: ``top_k``, ``ignore_eos``, ``priority``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.engine_client import EngineClient
+from gateway.generation import Piece, text_pieces
+from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, error_body, parse_generate
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "suffix", "best_of")
+
+
+def error_response(code: str, message: str) -> JSONResponse:
+    return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 400))
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ProtocolError("invalid_request", "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("invalid_request", "request body must be a JSON object")
+    return data
+
+
+async def models(request: Request) -> Response:
+    client: EngineClient = request.app.state.client
+    model = {"id": client.settings.model_name, "object": "model", "created": 0, "owned_by": "stallfree"}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRequest:
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, [], 0):
+            raise ProtocolError("invalid_request", f"{name} is not supported")
+    if body.get("n", 1) != 1:
+        raise ProtocolError("invalid_request", "n must be 1")
+    if chat:
+        if "prompt" in body:
+            raise ProtocolError("invalid_request", "chat completions take messages, not prompt")
+        body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+        defaults: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            body = {**body, "prompt": prompt[0]}
+        if "messages" in body:
+            raise ProtocolError("invalid_request", "completions take prompt, not messages")
+        defaults = {"temperature": 1.0, "max_tokens": 16}
+    return parse_generate(body, defaults, client.engine.config.max_model_len)
+
+
+async def completions(request: Request) -> Response:
+    return await _handle(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _handle(request, chat=True)
+
+
+async def _handle(request: Request, chat: bool) -> Response:
+    client: EngineClient = request.app.state.client
+    try:
+        body = await read_json(request, client.settings.max_body_bytes)
+        req = _parse(body, client, chat)
+        if req.traceparent is None:
+            req.traceparent = request.headers.get("traceparent")
+        request_id = client.new_id("chatcmpl" if chat else "cmpl")
+        stream, prompt_tokens = await client.submit(req, request_id)
+    except ProtocolError as exc:
+        return error_response(exc.code, exc.message)
+    model = body.get("model") or client.settings.model_name
+    pieces = text_pieces(client, request_id, stream, req.sampling.stop)
+    shape = _Shape(request_id, model, chat, prompt_tokens)
+    if body.get("stream"):
+        options = body.get("stream_options") or {}
+        usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return StreamingResponse(
+            _sse(client, request_id, pieces, shape, usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await _collect(request, client, request_id, pieces, shape)
+
+
+class _Shape:
+    """Builds OpenAI response objects for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int) -> None:
+        self.id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
+        self.created = int(time.time())
+        self.completion_tokens = 0
+
+    def usage(self) -> dict[str, Any]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def whole(self, text: str, finish: str) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage()}  # fmt: skip
+
+
+def _finish(piece: Piece) -> str:
+    return "length" if piece.finish_reason == "length" else "stop"
+
+
+async def _sse(
+    client: EngineClient, request_id: str, pieces: AsyncIterator[Piece], shape: _Shape, usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE events; if the client goes away Starlette cancels this and the finally aborts."""
+    finished = False
+    try:
+        if shape.chat:
+            yield b"data: " + orjson.dumps(shape.chunk("", None, first=True)) + b"\n\n"
+        try:
+            async for piece in pieces:
+                shape.completion_tokens += len(piece.token_ids)
+                finish = _finish(piece) if piece.finish_reason else None
+                if piece.text or finish:
+                    yield b"data: " + orjson.dumps(shape.chunk(piece.text, finish)) + b"\n\n"
+                finished = finish is not None
+        except ProtocolError as exc:
+            finished = True
+            yield b"data: " + orjson.dumps(error_body(exc.code, exc.message)) + b"\n\n"
+        if usage:
+            tail = {**shape.chunk(None, None), "choices": [], "usage": shape.usage()}
+            yield b"data: " + orjson.dumps(tail) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:
+            client.cancel(request_id)
+
+
+async def _collect(
+    request: Request, client: EngineClient, request_id: str, pieces: AsyncIterator[Piece], shape: _Shape
+) -> Response:
+    """Non-streaming: gather the text while watching for the client leaving."""
+    parts: list[str] = []
+    result: dict[str, Any] = {}
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        client.cancel(request_id)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_disconnect, tg.cancel_scope)
+        try:
+            async for piece in pieces:
+                parts.append(piece.text)
+                shape.completion_tokens += len(piece.token_ids)
+                if piece.finish_reason:
+                    result = shape.whole("".join(parts), _finish(piece))
+        except ProtocolError as exc:
+            result = {"error": exc}
+        tg.cancel_scope.cancel()
+    if not result:  # the client went away
+        return Response(status_code=499)
+    if "error" in result:
+        exc = result["error"]
+        return error_response(exc.code, exc.message)
+    return JSONResponse(result)

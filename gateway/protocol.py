@@ -1,0 +1,138 @@
+"""Validation of client input into one transport-neutral request.
+
+Both the WebSocket protocol and the OpenAI-compatible API parse into
+``GenerateRequest``; every rejection is a ``ProtocolError`` carrying one of
+the documented error codes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from core.request import SamplingParams
+
+ERROR_CODES = ("invalid_request", "prompt_too_long", "overloaded", "unauthorized", "slow_consumer", "internal")
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP_STRINGS = 16
+MAX_ID_CHARS = 128
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    messages: list[dict[str, str]] | None  # chat: rendered with the model's template
+    prompt: str | None  # raw text
+    sampling: SamplingParams
+    max_tokens_given: bool  # False: fill the rest of the context
+    priority: int = 0
+    traceparent: str | None = None
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError("invalid_request", f"{name} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _float(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProtocolError("invalid_request", f"{name} must be a finite number")
+    if not low <= value <= high:
+        raise ProtocolError("invalid_request", f"{name} must be in [{low}, {high}]")
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in value):
+        raise ProtocolError("invalid_request", f"stop must be a string or a list of at most {MAX_STOP_STRINGS}")
+    if any(len(s) > 256 for s in value):
+        raise ProtocolError("invalid_request", "stop strings are limited to 256 characters")
+    return tuple(s for s in value if s)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("invalid_request", "messages must be a non-empty list")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ProtocolError("invalid_request", f"each message needs a role in {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise ProtocolError("invalid_request", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ProtocolError("invalid_request", "message content must be a string")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len: int) -> GenerateRequest:
+    """Validate the fields both protocols share.
+
+    defaults: ``max_tokens`` (None: the rest of the context) and ``temperature``.
+    Exactly one of ``messages`` and ``prompt`` must be given.
+    """
+    has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
+    if has_messages == has_prompt:
+        raise ProtocolError("invalid_request", "give exactly one of messages or prompt")
+    messages = _messages(body["messages"]) if has_messages else None
+    prompt = body.get("prompt")
+    if has_prompt and not isinstance(prompt, str):
+        raise ProtocolError("invalid_request", "prompt must be a string")
+    max_tokens = _int(body, "max_tokens", defaults.get("max_tokens"), 1, max_model_len)
+    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ProtocolError("invalid_request", "ignore_eos must be a boolean")
+    traceparent = body.get("traceparent")
+    if traceparent is not None and not isinstance(traceparent, str):
+        raise ProtocolError("invalid_request", "traceparent must be a string")
+    sampling = SamplingParams(
+        max_tokens=max_tokens or 1,
+        temperature=_float(body, "temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
+        top_p=_float(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_int(body, "top_k", 0, 0, 1 << 20) or 0,
+        seed=seed,
+        stop=_stop(body.get("stop")),
+        ignore_eos=ignore_eos,
+    )
+    priority = _int(body, "priority", 0, -(2**31), 2**31 - 1) or 0
+    return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
+
+
+def error_body(code: str, message: str) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    kind = {"unauthorized": "authentication_error", "overloaded": "rate_limit_error", "internal": "server_error"}
+    return {"error": {"message": message, "type": kind.get(code, "invalid_request_error"), "param": None, "code": code}}
+
+
+HTTP_STATUS = {
+    "invalid_request": 400,
+    "prompt_too_long": 400,
+    "unauthorized": 401,
+    "overloaded": 429,
+    "slow_consumer": 408,
+    "internal": 500,
+}

@@ -1,0 +1,94 @@
+"""``stallfree serve``: build the engine, start the step thread, run uvicorn.
+
+On SIGTERM/SIGINT the server stops admitting, lets in-flight requests finish
+for ``drain_timeout_s``, cancels the rest (clients get their ``done``/error
+frame), then stops uvicorn and the step thread. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import FrameType
+
+import structlog
+import uvicorn
+
+from core.engine import Engine
+from gateway.app import create_app
+from gateway.engine_client import EngineClient
+
+log = structlog.get_logger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, client: EngineClient, send_buffer_bytes: int | None = None) -> None:
+        super().__init__(config)
+        self.client = client
+        self.send_buffer_bytes = send_buffer_bytes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        if sockets is None and self.send_buffer_bytes:
+            # accepted connections inherit the listening socket's send buffer size
+            sock = self.config.bind_socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            sockets = [sock]
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(sig, frame)))
+
+    async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+        log.info("draining", in_flight=self.client.num_in_flight, timeout_s=self.client.settings.drain_timeout_s)
+        await self.client.drain(self.client.settings.drain_timeout_s)
+        super().handle_exit(sig, frame)
+
+
+def make_server(
+    client: EngineClient, host: str, port: int, log_level: str = "warning", send_buffer_bytes: int | None = None
+) -> DrainingServer:
+    """send_buffer_bytes: the kernel send buffer per connection (default: the OS's,
+    up to 4 MB here); smaller makes a stalled reader push back sooner."""
+    config = uvicorn.Config(
+        create_app(client),
+        host=host,
+        port=port,
+        ws="websockets-sansio",
+        ws_max_size=client.settings.max_frame_bytes * 4,  # larger frames get our own error, not a closed socket
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        # keepalive pings find dead peers; slow-but-alive readers are the
+        # slow_consumer policy's business, so the pong may take a while
+        ws_ping_interval=20.0,
+        ws_ping_timeout=60.0,
+    )
+    return DrainingServer(config, client, send_buffer_bytes)
+
+
+def log_startup(engine: Engine, client: EngineClient, **facts: object) -> None:
+    """The effective configuration, as the article advises reading it from the startup log."""
+    cfg = engine.config
+    for warning in engine.warnings:
+        log.warning("config_clamped", detail=warning)
+    log.info(
+        "engine_started",
+        token_budget=cfg.token_budget,
+        chunking=cfg.chunking,
+        policy=cfg.policy,
+        max_num_seqs=cfg.max_num_seqs,
+        max_partial_prefills=cfg.max_partial_prefills,
+        max_model_len=cfg.max_model_len,
+        kv_blocks=engine.kv.num_blocks,
+        kv_block_size=engine.kv.block_size,
+        kv_tokens=engine.kv.num_blocks * engine.kv.block_size,
+        model=client.settings.model_name,
+        **facts,
+    )

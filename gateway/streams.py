@@ -1,0 +1,79 @@
+"""Per-request output streams on the event loop.
+
+Each request has a bounded anyio memory object stream. The step thread's
+once-per-iteration fan-out puts one ``Delta`` per request per iteration;
+when the consumer has fallen behind and the stream is full, new tokens
+coalesce into a single pending delta instead of blocking anybody, and a
+consumer whose pending tokens stay unread for ``slow_consumer_s`` is cut off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from core.request import Request
+
+SLOW_CONSUMER = "slow_consumer"
+
+
+@dataclass(slots=True)
+class Delta:
+    token_ids: list[int]
+    first_index: int  # index of token_ids[0] in the completion
+    emit_ns: int  # engine time (perf_counter_ns) the last of these tokens was produced
+    finish_reason: str | None = None  # stop | length | abort | error | slow_consumer
+    request: Request | None = None  # on finish: the request's timeline and usage
+
+
+class RequestStream:
+    def __init__(self, request_id: str, capacity: int, slow_consumer_s: float) -> None:
+        self.request_id = request_id
+        self._send, self._recv = anyio.create_memory_object_stream[Delta](capacity)
+        self._pending: Delta | None = None  # coalesced overflow
+        self._pending_since = 0
+        self._slow_ns = int(slow_consumer_s * 1e9)
+        self.num_tokens = 0
+        self.finished = False
+
+    def put(self, token_ids: list[int], emit_ns: int, finish_reason: str | None, request: Request | None) -> bool:
+        """Called on the event loop; never blocks. False: the consumer is hopelessly behind."""
+        if self.finished:
+            return True
+        delta = Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request)
+        self.num_tokens += len(token_ids)
+        self.finished = finish_reason is not None
+        if self._pending is None:
+            try:
+                self._send.send_nowait(delta)
+                return True
+            except anyio.WouldBlock:
+                self._pending, self._pending_since = delta, time.perf_counter_ns()
+                return True
+        p = self._pending
+        p.token_ids = p.token_ids + token_ids
+        p.emit_ns, p.finish_reason, p.request = emit_ns, finish_reason, request
+        return self.finished or time.perf_counter_ns() - self._pending_since < self._slow_ns
+
+    def fail(self, reason: str) -> None:
+        """End the stream now (unsent overflow dropped): the consumer sees reason next."""
+        self.finished = True
+        delta = Delta([], self.num_tokens, time.perf_counter_ns(), reason)
+        if self._pending is None:
+            try:
+                self._send.send_nowait(delta)
+                return
+            except anyio.WouldBlock:
+                pass
+        self._pending = delta
+
+    async def get(self) -> Delta:
+        try:
+            return self._recv.receive_nowait()
+        except anyio.WouldBlock:
+            if self._pending is not None:
+                delta, self._pending = self._pending, None
+                return delta
+            return await self._recv.receive()

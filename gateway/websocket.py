@@ -1,0 +1,185 @@
+"""``GET /v1/stream``: JSON text frames, several generations per connection.
+
+Client -> server: ``generate``, ``cancel``, ``ping``, ``auth``.
+Server -> client: ``accepted``, ``token``, ``done``, ``error``, ``pong``.
+A disconnect aborts every generation of the connection at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from core.stats import request_timings
+from gateway.auth import key_matches, origin_allowed, request_key
+from gateway.engine_client import EngineClient
+from gateway.generation import text_pieces
+from gateway.protocol import ProtocolError, parse_generate
+
+log = structlog.get_logger(__name__)
+
+TIMINGS = ("queue_wait_ms", "prefill_ms", "decode_ms", "ttft_ms", "e2e_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms")
+WS_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+
+
+@dataclass(slots=True)
+class _Generation:
+    request_id: str | None = None  # set once accepted
+    cancelled: bool = False
+
+
+class Connection:
+    def __init__(self, ws: WebSocket, client: EngineClient) -> None:
+        self.ws = ws
+        self.client = client
+        self.settings = client.settings
+        self.gens: dict[str, _Generation] = {}
+        self._send_lock = anyio.Lock()
+        self.closed = False
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        try:
+            async with self._send_lock:
+                await self.ws.send_text(orjson.dumps(frame).decode())
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.closed = True  # the reader sees the disconnect and cleans up
+
+    async def error(self, code: str, message: str, gen_id: str | None = None) -> None:
+        await self.send({"type": "error", "id": gen_id, "code": code, "message": message})
+
+    async def run(self) -> None:
+        authed = not self.settings.api_keys or key_matches(request_key(self.ws.headers), self.settings.api_keys)
+        async with anyio.create_task_group() as tg:
+            try:
+                while True:
+                    message = await self.ws.receive()
+                    if message["type"] == "websocket.disconnect":
+                        break
+                    frame = await self._parse(message)
+                    if frame is None:
+                        continue
+                    kind = frame.get("type")
+                    if not authed:
+                        if kind == "auth" and key_matches(frame.get("api_key"), self.settings.api_keys):
+                            authed = True
+                            await self.send({"type": "authenticated"})
+                            continue
+                        await self.error("unauthorized", "send {'type': 'auth', 'api_key': ...} first")
+                        await self.ws.close(code=1008)
+                        break
+                    await self._dispatch(kind, frame, tg)
+            finally:
+                self.closed = True
+                for gen in self.gens.values():
+                    gen.cancelled = True
+                    if gen.request_id is not None:
+                        self.client.cancel(gen.request_id)
+                tg.cancel_scope.cancel()
+
+    async def _parse(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        text = message.get("text")
+        if text is None:
+            await self.error("invalid_request", "binary frames are not supported; send JSON text frames")
+            return None
+        if len(text) > self.settings.max_frame_bytes:
+            await self.error("invalid_request", f"frame larger than {self.settings.max_frame_bytes} bytes")
+            return None
+        try:
+            frame = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            await self.error("invalid_request", "frame is not valid JSON")
+            return None
+        if not isinstance(frame, dict):
+            await self.error("invalid_request", "frame must be a JSON object")
+            return None
+        return frame
+
+    async def _dispatch(self, kind: Any, frame: dict[str, Any], tg: anyio.abc.TaskGroup) -> None:
+        if kind == "ping":
+            await self.send({"type": "pong"})
+        elif kind == "auth":
+            await self.send({"type": "authenticated"})
+        elif kind == "cancel":
+            gen_id = frame.get("id")
+            gen = self.gens.get(gen_id) if isinstance(gen_id, str) else None
+            if gen is None:
+                await self.error("invalid_request", f"no generation with id {gen_id!r}", gen_id)
+                return
+            gen.cancelled = True
+            if gen.request_id is not None:
+                self.client.cancel(gen.request_id)
+        elif kind == "generate":
+            gen_id = frame.get("id")
+            if not isinstance(gen_id, str) or not 0 < len(gen_id) <= 128:
+                await self.error("invalid_request", "generate needs an id: a string of 1 to 128 characters")
+            elif gen_id in self.gens:
+                await self.error("invalid_request", f"id {gen_id!r} is already running", gen_id)
+            elif len(self.gens) >= self.settings.max_generations_per_connection:
+                limit = self.settings.max_generations_per_connection
+                await self.error("overloaded", f"at most {limit} generations per connection", gen_id)
+            else:
+                self.gens[gen_id] = _Generation()
+                tg.start_soon(self._generate, gen_id, frame)
+        else:
+            await self.error("invalid_request", f"unknown frame type {kind!r}", frame.get("id"))
+
+    async def _generate(self, gen_id: str, frame: dict[str, Any]) -> None:
+        gen = self.gens[gen_id]
+        try:
+            req = parse_generate(frame, WS_DEFAULTS, self.client.engine.config.max_model_len)
+            if req.traceparent is None:
+                req.traceparent = self.ws.headers.get("traceparent")
+            request_id = self.client.new_id("ws")
+            stream, prompt_tokens = await self.client.submit(req, request_id)
+            gen.request_id = request_id
+            if gen.cancelled:  # cancelled (or disconnected) while tokenizing
+                self.client.cancel(request_id)
+            await self.send({"type": "accepted", "id": gen_id, "prompt_tokens": prompt_tokens})
+            sent = 0
+            async for piece in text_pieces(self.client, request_id, stream, req.sampling.stop):
+                if piece.token_ids or piece.text:
+                    sent += len(piece.token_ids)
+                    frame_out = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
+                    frame_out["token_ids"] = piece.token_ids
+                    await self.send(frame_out)
+                if piece.finish_reason is not None:
+                    await self.send(self._done(gen_id, piece, prompt_tokens, sent))
+        except ProtocolError as exc:
+            await self.error(exc.code, exc.message, gen_id)
+        except Exception:
+            log.exception("generation_failed", id=gen_id)
+            await self.error("internal", "internal error", gen_id)
+        finally:
+            self.gens.pop(gen_id, None)
+
+    @staticmethod
+    def _done(gen_id: str, piece: Any, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        req = piece.request
+        timings = request_timings(req.timeline).as_dict() if req is not None else {}
+        return {
+            "type": "done",
+            "id": gen_id,
+            "finish_reason": piece.finish_reason,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "cached_tokens": req.num_cached_tokens if req is not None else 0,
+            },
+            "timings": {k: timings.get(k, 0.0) for k in TIMINGS},
+        }
+
+
+async def stream_endpoint(ws: WebSocket) -> None:
+    client: EngineClient = ws.app.state.client
+    if not origin_allowed(ws.headers, client.settings.allowed_origins):
+        await ws.close(code=1008)
+        return
+    await ws.accept()
+    await Connection(ws, client).run()

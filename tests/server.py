@@ -1,0 +1,106 @@
+"""Run the real gateway (uvicorn, port 0) in a background thread for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import torch
+
+from core.build import build_sim_engine
+from core.config import CacheConfig, SchedulerConfig
+from core.engine import Engine
+from core.loader import load_tiny
+from core.model_runner import ModelRunner
+from gateway.engine_client import EngineClient
+from gateway.serve import make_server
+from gateway.settings import GatewaySettings
+
+
+class RunningServer:
+    def __init__(self, engine: Engine, tokenizer, settings: GatewaySettings | None = None) -> None:
+        self.client = EngineClient(engine, tokenizer, settings or GatewaySettings())
+        self.server = make_server(self.client, "127.0.0.1", 0)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def engine_call(self, fn):
+        """Run fn on the step thread (the only thread that may touch the engine)."""
+        return self.client.step_loop.call(fn).result(10)
+
+    def kv_used(self) -> int:
+        return self.engine_call(lambda: self.client.engine.kv.num_used_blocks)
+
+    def wait_kv_baseline(self, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (used := self.kv_used()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return used
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+
+
+def sim_server(time_scale: float = 0.02, settings: GatewaySettings | None = None, **sched) -> RunningServer:
+    """Simulated runner: each iteration sleeps a (scaled) cost-model time."""
+    sched.setdefault("max_num_seqs", 128)
+    sched.setdefault("token_budget", 512)
+    engine, tokenizer = build_sim_engine(SchedulerConfig(**sched), kv_cache_gib=1.5, time_scale=time_scale)
+    return RunningServer(engine, tokenizer, settings)
+
+
+def tiny_server(settings: GatewaySettings | None = None) -> RunningServer:
+    loaded = load_tiny()
+    runner = ModelRunner(loaded, 512, 16, torch.float32, torch.device("cpu"))
+    engine = Engine(SchedulerConfig(max_num_seqs=16, max_model_len=1024), CacheConfig(512, 16), runner)
+    return RunningServer(engine, loaded.tokenizer, settings)
+
+
+class ServerProcess:
+    """``stallfree serve`` in its own process (its own GIL), for timing-sensitive tests."""
+
+    def __init__(self, *args: str) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
+        cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, "server exited"
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+
+    def kv_used(self) -> int:
+        return httpx.get(self.url + "/api/config", timeout=10).json()["kv_cache"]["used_blocks"]
+
+    def wait_kv_baseline(self, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (used := self.kv_used()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return used
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(30)
