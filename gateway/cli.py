@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -139,7 +140,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), bf16, fp32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    g.add_argument("--threads", type=int, help="torch threads (default: all cores; serve: all but one)")
     g.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default %(default)s GiB)")
 
 
@@ -250,7 +251,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         settings.model_name = "stallfree-sim"
         facts = {"runner": "simulated"}
     else:
-        engine, runner = build_engine(_model_settings(args), config)
+        settings_model = _model_settings(args)
+        if settings_model.threads is None:
+            # leave a core to the event loop, tokenization and local clients
+            # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
+            settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
+        engine, runner = build_engine(settings_model, config)
         tokenizer = runner.tokenizer
         settings.model_name = args.model_name or runner.config.name
         facts = {"runner": "torch", "dtype": str(runner.dtype), "threads": runner.threads, "device": str(runner.device)}
@@ -262,10 +268,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 budget, how = choose_budget(prof.points, args.tpot_slo_ms)
                 engine.warnings += engine.reconfigure({"token_budget": budget})
                 facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
+    # the step thread's Python (scheduling, input prep) holds the GIL in 5 ms
+    # slices by default, delaying the event loop's fan-out by as much
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     client = EngineClient(engine, tokenizer, settings)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
     server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
     log_startup(engine, client, api_keys=len(keys), host=args.host, port=args.port, **facts)
+    # Startup objects (tokenizer tables, model config, modules) move out of the
+    # collector's way: full collections over them stalled token delivery.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)  # fewer young collections in the middle of a fan-out burst
     server.run()
 
 
@@ -333,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
     gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
     gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")
+    gw.add_argument("--switch-interval-ms", type=float, default=1.0, help="GIL switch interval (default %(default)s)")
     sim = sv.add_argument_group("simulated runner (no model: the cost model sets each iteration's time)")
     sim.add_argument("--sim", action="store_true", help="serve with the simulated runner")
     sim.add_argument("--sim-profile", type=Path, help="cost model from `stallfree profile`")

@@ -1,4 +1,4 @@
-"""One request's tokens as text pieces: detokenized, stop strings applied.
+"""One request's deltas as text pieces: detokenized, stop strings applied.
 
 Shared by the WebSocket protocol and the OpenAI API, so both end a
 generation the same way: a stop string cancels the engine request at once
@@ -7,14 +7,13 @@ generation the same way: a stop string cancels the engine request at once
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from core.detokenizer import Detokenizer
 from core.request import Request
-from gateway.engine_client import EngineClient
 from gateway.protocol import ProtocolError
-from gateway.streams import SLOW_CONSUMER, RequestStream
+from gateway.streams import SLOW_CONSUMER, Delta, RequestStream
 
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
@@ -29,28 +28,40 @@ class Piece:
     request: Request | None = None  # on the last piece
 
 
-async def text_pieces(
-    client: EngineClient, request_id: str, stream: RequestStream, stop: tuple[str, ...]
-) -> AsyncIterator[Piece]:
-    """Yield pieces until the request ends; raises ProtocolError for slow_consumer or an engine error."""
-    detok = Detokenizer(client.tokenizer.token_bytes, stop)
-    stopped = False
-    while True:
-        delta = await stream.get()
+class PieceMaker:
+    """Turns deltas into pieces, synchronously (no awaits on the hot path)."""
+
+    def __init__(self, token_bytes: list[bytes], stop: tuple[str, ...], cancel: Callable[[], None]) -> None:
+        self._detok = Detokenizer(token_bytes, stop)
+        self._cancel = cancel
+        self._stopped = False
+
+    def feed(self, delta: Delta) -> Piece | None:
+        """The piece for this delta (None if nothing to show). Raises ProtocolError
+        for a slow consumer or an engine error."""
         if delta.finish_reason == SLOW_CONSUMER:
             raise ProtocolError(SLOW_CONSUMER, "client read too slowly; generation cancelled")
         if delta.finish_reason == "error":
             raise ProtocolError("internal", "the engine failed while running this request")
-        ids = [] if stopped else delta.token_ids
-        text = detok.push(ids) if ids else ""
-        if detok.stopped and not stopped:
-            stopped = True
-            # the stop string's tokens were produced; what follows it is not sent
-            client.cancel(request_id)
+        ids = [] if self._stopped else delta.token_ids
+        text = self._detok.push(ids) if ids else ""
+        if self._detok.stopped and not self._stopped:
+            self._stopped = True  # what follows the stop string is not sent
+            self._cancel()
         if delta.finish_reason is not None:
-            text += detok.flush()
-            reason = "stop" if stopped else FINISH[delta.finish_reason]
-            yield Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.request)
-            return
+            text += self._detok.flush()
+            reason = "stop" if self._stopped else FINISH[delta.finish_reason]
+            return Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.request)
         if ids or text:
-            yield Piece(delta.first_index, text, ids, delta.emit_ns)
+            return Piece(delta.first_index, text, ids, delta.emit_ns)
+        return None
+
+
+async def text_pieces(stream: RequestStream, maker: PieceMaker) -> AsyncIterator[Piece]:
+    """Pieces until the request ends (one consumer per request: the HTTP API)."""
+    while True:
+        piece = maker.feed(await stream.get())
+        if piece is not None:
+            yield piece
+            if piece.finish_reason is not None:
+                return

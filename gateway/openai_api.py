@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.engine_client import EngineClient
-from gateway.generation import Piece, text_pieces
+from gateway.generation import Piece, PieceMaker, text_pieces
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, error_body, parse_generate
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "suffix", "best_of")
@@ -90,7 +90,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     except ProtocolError as exc:
         return error_response(exc.code, exc.message)
     model = body.get("model") or client.settings.model_name
-    pieces = text_pieces(client, request_id, stream, req.sampling.stop)
+    maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
+    pieces = text_pieces(stream, maker)
     shape = _Shape(request_id, model, chat, prompt_tokens)
     if body.get("stream"):
         options = body.get("stream_options") or {}

@@ -62,6 +62,7 @@ def make_server(
         port=port,
         ws="websockets-sansio",
         ws_max_size=client.settings.max_frame_bytes * 4,  # larger frames get our own error, not a closed socket
+        ws_per_message_deflate=False,  # compressing every tiny token frame costs more than it saves
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,

@@ -10,6 +10,7 @@ consumer whose pending tokens stay unread for ``slow_consumer_s`` is cut off.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -37,14 +38,21 @@ class RequestStream:
         self._slow_ns = int(slow_consumer_s * 1e9)
         self.num_tokens = 0
         self.finished = False
+        # called after every put: lets one task per connection drain many streams
+        self.on_put: Callable[[], None] | None = None
 
     def put(self, token_ids: list[int], emit_ns: int, finish_reason: str | None, request: Request | None) -> bool:
         """Called on the event loop; never blocks. False: the consumer is hopelessly behind."""
         if self.finished:
             return True
-        delta = Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request)
-        self.num_tokens += len(token_ids)
-        self.finished = finish_reason is not None
+        ok = self._enqueue(Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request))
+        if self.on_put is not None:
+            self.on_put()
+        return ok
+
+    def _enqueue(self, delta: Delta) -> bool:
+        self.num_tokens += len(delta.token_ids)
+        self.finished = delta.finish_reason is not None
         if self._pending is None:
             try:
                 self._send.send_nowait(delta)
@@ -53,27 +61,32 @@ class RequestStream:
                 self._pending, self._pending_since = delta, time.perf_counter_ns()
                 return True
         p = self._pending
-        p.token_ids = p.token_ids + token_ids
-        p.emit_ns, p.finish_reason, p.request = emit_ns, finish_reason, request
+        p.token_ids = p.token_ids + delta.token_ids
+        p.emit_ns, p.finish_reason, p.request = delta.emit_ns, delta.finish_reason, delta.request
         return self.finished or time.perf_counter_ns() - self._pending_since < self._slow_ns
 
     def fail(self, reason: str) -> None:
         """End the stream now (unsent overflow dropped): the consumer sees reason next."""
         self.finished = True
-        delta = Delta([], self.num_tokens, time.perf_counter_ns(), reason)
+        delta: Delta | None = Delta([], self.num_tokens, time.perf_counter_ns(), reason)
         if self._pending is None:
             try:
                 self._send.send_nowait(delta)
-                return
+                delta = None
             except anyio.WouldBlock:
                 pass
-        self._pending = delta
+        if delta is not None:
+            self._pending = delta
+        if self.on_put is not None:
+            self.on_put()
 
-    async def get(self) -> Delta:
+    def get_nowait(self) -> Delta | None:
         try:
             return self._recv.receive_nowait()
         except anyio.WouldBlock:
-            if self._pending is not None:
-                delta, self._pending = self._pending, None
-                return delta
-            return await self._recv.receive()
+            delta, self._pending = self._pending, None
+            return delta
+
+    async def get(self) -> Delta:
+        delta = self.get_nowait()
+        return delta if delta is not None else await self._recv.receive()

@@ -3,6 +3,10 @@
 Client -> server: ``generate``, ``cancel``, ``ping``, ``auth``.
 Server -> client: ``accepted``, ``token``, ``done``, ``error``, ``pong``.
 A disconnect aborts every generation of the connection at once.
+
+One writer task per connection drains all of its generations' streams when
+any of them has output (one wake-up per connection per iteration, not one
+per generation), detokenizes synchronously and writes the frames.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from core.stats import request_timings
 from gateway.auth import key_matches, origin_allowed, request_key
 from gateway.engine_client import EngineClient
-from gateway.generation import text_pieces
+from gateway.generation import Piece, PieceMaker
 from gateway.protocol import ProtocolError, parse_generate
+from gateway.streams import RequestStream
 
 log = structlog.get_logger(__name__)
 
@@ -31,6 +36,11 @@ WS_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 class _Generation:
     request_id: str | None = None  # set once accepted
     cancelled: bool = False
+    stream: RequestStream | None = None
+    maker: PieceMaker | None = None
+    prompt_tokens: int = 0
+    sent_tokens: int = 0
+    timestamps: bool = False  # add the engine's emit time to token frames
 
 
 class Connection:
@@ -39,15 +49,15 @@ class Connection:
         self.client = client
         self.settings = client.settings
         self.gens: dict[str, _Generation] = {}
-        self._send_lock = anyio.Lock()
         self.closed = False
+        self._ready: dict[str, None] = {}  # generations with output to drain, in order
+        self._wake = anyio.Event()
 
     async def send(self, frame: dict[str, Any]) -> None:
         if self.closed:
             return
         try:
-            async with self._send_lock:
-                await self.ws.send_text(orjson.dumps(frame).decode())
+            await self.ws.send_text(orjson.dumps(frame).decode())
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.closed = True  # the reader sees the disconnect and cleans up
 
@@ -57,6 +67,7 @@ class Connection:
     async def run(self) -> None:
         authed = not self.settings.api_keys or key_matches(request_key(self.ws.headers), self.settings.api_keys)
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self._writer)
             try:
                 while True:
                     message = await self.ws.receive()
@@ -126,54 +137,86 @@ class Connection:
                 await self.error("overloaded", f"at most {limit} generations per connection", gen_id)
             else:
                 self.gens[gen_id] = _Generation()
-                tg.start_soon(self._generate, gen_id, frame)
+                tg.start_soon(self._start, gen_id, frame)
         else:
             await self.error("invalid_request", f"unknown frame type {kind!r}", frame.get("id"))
 
-    async def _generate(self, gen_id: str, frame: dict[str, Any]) -> None:
+    async def _start(self, gen_id: str, frame: dict[str, Any]) -> None:
+        """Validate, tokenize (off the loop) and submit; the writer streams the rest."""
         gen = self.gens[gen_id]
         try:
             req = parse_generate(frame, WS_DEFAULTS, self.client.engine.config.max_model_len)
             if req.traceparent is None:
                 req.traceparent = self.ws.headers.get("traceparent")
             request_id = self.client.new_id("ws")
-            stream, prompt_tokens = await self.client.submit(req, request_id)
-            gen.request_id = request_id
-            if gen.cancelled:  # cancelled (or disconnected) while tokenizing
-                self.client.cancel(request_id)
-            await self.send({"type": "accepted", "id": gen_id, "prompt_tokens": prompt_tokens})
-            sent = 0
-            async for piece in text_pieces(self.client, request_id, stream, req.sampling.stop):
-                if piece.token_ids or piece.text:
-                    sent += len(piece.token_ids)
-                    frame_out = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
-                    frame_out["token_ids"] = piece.token_ids
-                    await self.send(frame_out)
-                if piece.finish_reason is not None:
-                    await self.send(self._done(gen_id, piece, prompt_tokens, sent))
+            stream, gen.prompt_tokens = await self.client.submit(req, request_id)
         except ProtocolError as exc:
-            await self.error(exc.code, exc.message, gen_id)
-        except Exception:
-            log.exception("generation_failed", id=gen_id)
-            await self.error("internal", "internal error", gen_id)
-        finally:
             self.gens.pop(gen_id, None)
+            await self.error(exc.code, exc.message, gen_id)
+            return
+        gen.request_id, gen.stream = request_id, stream
+        gen.timestamps = frame.get("timestamps") is True
+        gen.maker = PieceMaker(
+            self.client.tokenizer.token_bytes, req.sampling.stop, lambda: self.client.cancel(request_id)
+        )
+        if gen.cancelled:  # cancelled (or disconnected) while tokenizing
+            self.client.cancel(request_id)
+        await self.send({"type": "accepted", "id": gen_id, "prompt_tokens": gen.prompt_tokens})
+        stream.on_put = lambda: self._notify(gen_id)
+        self._notify(gen_id)  # anything that arrived before the accepted frame went out
 
-    @staticmethod
-    def _done(gen_id: str, piece: Any, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        req = piece.request
-        timings = request_timings(req.timeline).as_dict() if req is not None else {}
-        return {
-            "type": "done",
-            "id": gen_id,
-            "finish_reason": piece.finish_reason,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "cached_tokens": req.num_cached_tokens if req is not None else 0,
-            },
-            "timings": {k: timings.get(k, 0.0) for k in TIMINGS},
-        }
+    def _notify(self, gen_id: str) -> None:
+        self._ready[gen_id] = None
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            ready, self._ready = self._ready, {}
+            for gen_id in ready:
+                await self._drain(gen_id)
+
+    async def _drain(self, gen_id: str) -> None:
+        gen = self.gens.get(gen_id)
+        if gen is None or gen.stream is None or gen.maker is None:
+            return
+        while (delta := gen.stream.get_nowait()) is not None:
+            try:
+                piece = gen.maker.feed(delta)
+            except ProtocolError as exc:
+                self.gens.pop(gen_id, None)
+                await self.error(exc.code, exc.message, gen_id)
+                return
+            if piece is None:
+                continue
+            if piece.token_ids or piece.text:
+                gen.sent_tokens += len(piece.token_ids)
+                out = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
+                out["token_ids"] = piece.token_ids
+                if gen.timestamps:  # the engine's perf_counter_ns when these tokens were produced
+                    out["emit_ns"] = piece.emit_ns
+                await self.send(out)
+            if piece.finish_reason is not None:
+                self.gens.pop(gen_id, None)
+                await self.send(_done(gen_id, piece, gen.prompt_tokens, gen.sent_tokens))
+                return
+
+
+def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    req = piece.request
+    timings = request_timings(req.timeline).as_dict() if req is not None else {}
+    return {
+        "type": "done",
+        "id": gen_id,
+        "finish_reason": piece.finish_reason,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": req.num_cached_tokens if req is not None else 0,
+        },
+        "timings": {k: timings.get(k, 0.0) for k in TIMINGS},
+    }
 
 
 async def stream_endpoint(ws: WebSocket) -> None:

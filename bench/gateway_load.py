@@ -1,0 +1,151 @@
+"""Gateway load: concurrent WebSocket streams against the simulated runner.
+
+    .venv/bin/python -m bench.gateway_load [--streams 100,250,500,1000]
+        [--streams-per-connection 20] [--time-scales 1,0.1] [--seconds 10]
+
+Starts ``stallfree serve --sim`` in its own process (so the model is not the
+bottleneck), opens the streams from this process, and records for every token
+frame the delivery latency: client receive time minus the engine's emit time
+(``"timestamps": true`` puts the engine's perf_counter_ns in token frames;
+CLOCK_MONOTONIC is shared by processes on one machine). Smaller time scales
+make the simulated model faster, raising the token rate until the gateway is
+the bottleneck. Writes bench/results/gateway_load.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+from websockets.asyncio.client import connect
+
+from core.stats import percentile
+
+OUT = Path(__file__).parent / "results"
+
+
+def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--sim", "--port", str(port),
+           "--sim-time-scale", str(time_scale), "--max-num-seqs", str(streams + 8),
+           "--token-budget", str(max(2048, streams * 2)), "--max-waiting", str(streams + 8),
+           "--kv-cache-gib", "8", "--max-generations-per-connection", "1000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("server did not start")
+
+
+async def run_load(port: int, streams: int, connections: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    tokens = 0
+    started = asyncio.Event()
+    per_conn = [streams // connections + (i < streams % connections) for i in range(connections)]
+
+    async def one(n: int, ready: list[int]) -> None:
+        nonlocal tokens
+        async with connect(f"ws://127.0.0.1:{port}/v1/stream", max_size=None) as ws:
+            for i in range(n):
+                frame = {"type": "generate", "id": f"g{i}", "prompt": "load", "max_tokens": 8000,
+                         "ignore_eos": True, "timestamps": True}  # fmt: skip
+                await ws.send(orjson.dumps(frame).decode())
+            ready.append(1)
+            async for raw in ws:
+                now = time.perf_counter_ns()
+                f = orjson.loads(raw)
+                if f["type"] == "token" and started.is_set():
+                    tokens += len(f["token_ids"])
+                    latencies.append((now - f["emit_ns"]) / 1e6)
+
+    ready: list[int] = []
+    tasks = [asyncio.create_task(one(n, ready)) for n in per_conn]
+    while len(ready) < connections:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(2.0)  # let every stream start decoding
+    gc.collect()
+    gc.freeze()  # the load generator's own collections would show up as latency
+    started.set()
+    t0 = time.perf_counter()
+    await asyncio.sleep(seconds)
+    elapsed = time.perf_counter() - t0
+    started.clear()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "latency_p50_ms": percentile(latencies, 50),
+        "latency_p99_ms": percentile(latencies, 99),
+        "latency_max_ms": max(latencies, default=0.0),
+        "frames": len(latencies),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="100,250,500,1000")
+    ap.add_argument("--streams-per-connection", type=int, default=20)
+    ap.add_argument("--time-scales", default="1,0.1")
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    rows = []
+    for rep in range(args.repeats):
+        for streams in [int(x) for x in args.streams.split(",")]:
+            for scale in [float(x) for x in args.time_scales.split(",")]:
+                connections = max(1, streams // args.streams_per_connection)
+                proc, port = start_server(scale, streams)
+                try:
+                    result = asyncio.run(run_load(port, streams, connections, args.seconds))
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+                rows.append({"streams": streams, "connections": connections, "time_scale": scale, "repeat": rep,
+                             **result})  # fmt: skip
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    command = "python -m bench.gateway_load " + " ".join(sys.argv[1:])
+    doc = {"command": command.strip(), "rows": rows}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "gateway_load.json").write_text(json.dumps(doc, indent=2))
+    lines = [
+        f"# Gateway load: WebSocket streams, {args.streams_per_connection} per connection (simulated runner)",
+        "",
+        f"`{doc['command']}`; the load generator runs in a second process on the same 2 cores. Time scale 1 is",
+        "this CPU's real-model speed; 0.1 makes the simulated model 10x faster, so the gateway is the bottleneck.",
+        "Delivery latency: engine emit -> client receive, per token frame.",
+        "",
+        "| streams | sim time scale | delivered tokens/s | delivery p50 ms | p99 ms | max ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({(r["streams"], r["time_scale"]) for r in rows}, key=lambda k: (k[0], -k[1]))
+    for streams, scale in keys:
+        rs = [r for r in rows if (r["streams"], r["time_scale"]) == (streams, scale)]
+        med = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "latency_p50_ms",
+                                                                 "latency_p99_ms", "latency_max_ms")}  # fmt: skip
+        lines.append(
+            f"| {streams} | {scale:g} | {med['tokens_per_s']:.0f} | {med['latency_p50_ms']:.2f}"
+            f" | {med['latency_p99_ms']:.2f} | {med['latency_max_ms']:.1f} |"
+        )
+    (OUT / "gateway_load.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
