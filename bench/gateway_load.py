@@ -39,10 +39,29 @@ def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--sim", "--port", str(port),
-           "--sim-time-scale", str(time_scale), "--max-num-seqs", str(streams + 8),
-           "--token-budget", str(max(2048, streams * 2)), "--max-waiting", str(streams + 8),
-           "--kv-cache-gib", "8", "--max-generations-per-connection", "1000"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "--log-level",
+        "warning",
+        "serve",
+        "--sim",
+        "--port",
+        str(port),
+        "--sim-time-scale",
+        str(time_scale),
+        "--max-num-seqs",
+        str(streams + 8),
+        "--token-budget",
+        str(max(2048, streams * 2)),
+        "--max-waiting",
+        str(streams + 8),
+        "--kv-cache-gib",
+        "8",
+        "--max-generations-per-connection",
+        "1000",
+    ]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(600):
         try:
@@ -63,8 +82,14 @@ async def run_load(port: int, streams: int, connections: int, seconds: float) ->
         nonlocal tokens
         async with connect(f"ws://127.0.0.1:{port}/v1/stream", max_size=None) as ws:
             for i in range(n):
-                frame = {"type": "generate", "id": f"g{i}", "prompt": "load", "max_tokens": 8000,
-                         "ignore_eos": True, "timestamps": True}  # fmt: skip
+                frame = {
+                    "type": "generate",
+                    "id": f"g{i}",
+                    "prompt": "load",
+                    "max_tokens": 8000,
+                    "ignore_eos": True,
+                    "timestamps": True,
+                }
                 await ws.send(orjson.dumps(frame).decode())
             ready.append(1)
             async for raw in ws:
@@ -117,8 +142,9 @@ def main() -> None:
                 finally:
                     proc.terminate()
                     proc.wait(30)
-                rows.append({"streams": streams, "connections": connections, "time_scale": scale, "repeat": rep,
-                             **result})  # fmt: skip
+                rows.append(
+                    {"streams": streams, "connections": connections, "time_scale": scale, "repeat": rep, **result}
+                )
                 print(json.dumps(rows[-1]), file=sys.stderr)
     command = "python -m bench.gateway_load " + " ".join(sys.argv[1:])
     doc = {"command": command.strip(), "rows": rows}
@@ -137,8 +163,10 @@ def main() -> None:
     keys = sorted({(r["streams"], r["time_scale"]) for r in rows}, key=lambda k: (k[0], -k[1]))
     for streams, scale in keys:
         rs = [r for r in rows if (r["streams"], r["time_scale"]) == (streams, scale)]
-        med = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "latency_p50_ms",
-                                                                 "latency_p99_ms", "latency_max_ms")}  # fmt: skip
+        med = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("tokens_per_s", "latency_p50_ms", "latency_p99_ms", "latency_max_ms")
+        }
         lines.append(
             f"| {streams} | {scale:g} | {med['tokens_per_s']:.0f} | {med['latency_p50_ms']:.2f}"
             f" | {med['latency_p99_ms']:.2f} | {med['latency_max_ms']:.1f} |"

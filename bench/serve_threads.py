@@ -35,8 +35,18 @@ def start(threads: int) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--port", str(port),
-           "--threads", str(threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "--log-level",
+        "warning",
+        "serve",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(600):
         try:
@@ -52,8 +62,13 @@ async def load(port: int, streams: int, tokens: int) -> dict:
     async with connect(f"ws://127.0.0.1:{port}/v1/stream") as ws:
         t0 = time.perf_counter()
         for i in range(streams):
-            frame = {"type": "generate", "id": f"g{i}", "prompt": f"Story number {i}: once upon a time",
-                     "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+            frame = {
+                "type": "generate",
+                "id": f"g{i}",
+                "prompt": f"Story number {i}: once upon a time",
+                "max_tokens": tokens,
+                "ignore_eos": True,
+            }
             await ws.send(orjson.dumps(frame).decode())
         done = 0
         while done < streams:
@@ -63,8 +78,12 @@ async def load(port: int, streams: int, tokens: int) -> dict:
             done += f["type"] in ("done", "error")
         elapsed = time.perf_counter() - t0
     gaps = [(b - a) * 1e3 for s in stamps.values() for a, b in itertools.pairwise(s)]
-    return {"tokens_per_s": streams * tokens / elapsed, "itl_p50_ms": percentile(gaps, 50),
-            "itl_p99_ms": percentile(gaps, 99), "max_gap_ms": max(gaps)}  # fmt: skip
+    return {
+        "tokens_per_s": streams * tokens / elapsed,
+        "itl_p50_ms": percentile(gaps, 50),
+        "itl_p99_ms": percentile(gaps, 99),
+        "max_gap_ms": max(gaps),
+    }
 
 
 def main() -> None:

@@ -53,6 +53,7 @@ class IterationRecord:
     decode_tokens: int
     prefill_tokens: int
     chunks: dict[str, int]  # request id -> prefill tokens in this iteration
+    request_ids: list[str]  # every request this iteration served
     token_budget: int
     chunking: str
     num_running: int

@@ -147,6 +147,7 @@ class Engine:
             decode_tokens=batch.decode_tokens,
             prefill_tokens=batch.prefill_tokens,
             chunks={i.request.request_id: i.num_tokens for i in batch.items if i.is_prefill},
+            request_ids=[i.request.request_id for i in batch.items],
             token_budget=s.config.token_budget,
             chunking=s.config.chunking,
             num_running=len(s.running),

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,6 +21,11 @@ from gateway.engine_client import EngineClient
 from gateway.openai_api import chat_completions, completions, error_response, models, read_json
 from gateway.protocol import ProtocolError, error_body
 from gateway.websocket import stream_endpoint
+
+
+async def metrics(request: Request) -> Response:
+    client: EngineClient = request.app.state.client
+    return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def healthz(request: Request) -> Response:
@@ -61,8 +67,10 @@ async def api_config(request: Request) -> Response:
         changes = await read_json(request, client.settings.max_body_bytes)
         warnings = await asyncio.wrap_future(client.step_loop.reconfigure(changes))
     except ProtocolError as exc:
+        client.metrics.errors.labels(exc.code).inc()
         return error_response(exc.code, exc.message)
     except (ValueError, TypeError) as exc:
+        client.metrics.errors.labels("invalid_request").inc()
         return error_response("invalid_request", str(exc))
     return JSONResponse({**await config_view(client), "warnings": warnings})
 
@@ -71,14 +79,16 @@ class ApiKeyMiddleware:
     """With keys set: /v1/* and changes to /api/config need a key (WebSockets
     check it themselves, since browsers cannot set headers there)."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, client: EngineClient) -> None:
         self.app = app
-        self.keys = keys
+        self.keys = client.settings.api_keys
+        self.client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.keys and scope["type"] == "http" and self._guarded(scope):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if not key_matches(request_key(headers), self.keys):
+                self.client.metrics.errors.labels("unauthorized").inc()
                 body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
@@ -103,6 +113,7 @@ def create_app(client: EngineClient) -> Starlette:
         routes=[
             Route("/healthz", healthz),
             Route("/readyz", readyz),
+            Route("/metrics", metrics),
             Route("/api/config", api_config, methods=["GET", "PUT"]),
             Route("/v1/models", models),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -112,5 +123,5 @@ def create_app(client: EngineClient) -> Starlette:
         lifespan=lifespan,
     )
     app.state.client = client
-    app.add_middleware(ApiKeyMiddleware, keys=client.settings.api_keys)
+    app.add_middleware(ApiKeyMiddleware, client=client)
     return app

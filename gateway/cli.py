@@ -38,6 +38,7 @@ from gateway.engine_client import EngineClient
 from gateway.logs import configure_logging
 from gateway.serve import log_startup, make_server
 from gateway.settings import GatewaySettings
+from gateway.tracing import Tracing
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -271,7 +272,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # the step thread's Python (scheduling, input prep) holds the GIL in 5 ms
     # slices by default, delaying the event loop's fan-out by as much
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    client = EngineClient(engine, tokenizer, settings)
+    tracing = Tracing.from_env(args.trace_iterations)
+    facts["tracing"] = "otlp" if tracing is not None else "off"
+    client = EngineClient(engine, tokenizer, settings, tracing, log_text=args.log_text)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
     server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
     log_startup(engine, client, api_keys=len(keys), host=args.host, port=args.port, **facts)
@@ -348,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
     gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")
     gw.add_argument("--switch-interval-ms", type=float, default=1.0, help="GIL switch interval (default %(default)s)")
+    ob = sv.add_argument_group("observability (traces: the standard OTEL_* variables, off unless an endpoint is set)")
+    ob.add_argument("--trace-iterations", type=float, default=0.0, help="fraction of iterations traced as spans")
+    ob.add_argument("--log-text", action="store_true", help="log prompt and completion text (off by default)")
     sim = sv.add_argument_group("simulated runner (no model: the cost model sets each iteration's time)")
     sim.add_argument("--sim", action="store_true", help="serve with the simulated runner")
     sim.add_argument("--sim-profile", type=Path, help="cost model from `stallfree profile`")

@@ -19,20 +19,33 @@ import structlog
 
 from core.engine import Engine, RequestRejected, StepOutput
 from core.request import Request
+from core.stats import request_timings
 from core.step_loop import StepLoop
 from core.tokenizer import Tokenizer
+from gateway.metrics import Metrics
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.settings import GatewaySettings
 from gateway.streams import SLOW_CONSUMER, RequestStream
+from gateway.tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
 
 class EngineClient:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, settings: GatewaySettings) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        settings: GatewaySettings,
+        tracing: Tracing | None = None,
+        log_text: bool = False,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
+        self.metrics = Metrics()
+        self.tracing = tracing
+        self.log_text = log_text  # prompt and completion text in request logs: off unless asked
         self.step_loop = StepLoop(engine, self._on_step)
         self.accepting = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -64,6 +77,8 @@ class EngineClient:
     def stop(self) -> None:
         self.accepting = False
         self.step_loop.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     @property
     def num_in_flight(self) -> int:
@@ -114,6 +129,20 @@ class EngineClient:
         self._streams[request_id] = stream
         self._unstarted.add(request_id)
         self._last_submit_ns = time.perf_counter_ns()
+        if self.tracing is not None:
+            s = sampling
+            attributes = {
+                "gen_ai.request.max_tokens": s.max_tokens,
+                "gen_ai.request.temperature": s.temperature,
+                "gen_ai.request.top_p": s.top_p,
+                "gen_ai.request.top_k": s.top_k,
+            }
+            if s.seed is not None:
+                attributes["gen_ai.request.seed"] = s.seed
+            operation = "chat" if req.messages is not None else "text_completion"
+            self.tracing.start_request(
+                request_id, arrival_ns, operation, self.settings.model_name, attributes, req.traceparent
+            )
         future.add_done_callback(lambda f: self._submit_failed(request_id, f.exception()) if f.exception() else None)
         return stream, len(ids)
 
@@ -137,12 +166,23 @@ class EngineClient:
         self._call_soon(self._fan_out, out)
 
     def _fan_out(self, out: StepOutput) -> None:
-        emit_ns = out.iteration.end_ns if out.iteration else time.perf_counter_ns()
+        it = out.iteration
+        emit_ns = it.end_ns if it is not None else time.perf_counter_ns()
+        if it is not None:
+            self.metrics.observe_iteration(it)
+            if self.tracing is not None:
+                self.tracing.iteration(it)
         for o in out.outputs:
+            if o.finish_reason is not None and o.request is not None:
+                self._finished(o.request, o.finish_reason)
             stream = self._streams.get(o.request_id)
             if stream is None:
                 continue
             self._unstarted.discard(o.request_id)
+            if o.new_token_ids:
+                gap = (emit_ns - stream.last_emit_ns) / 1e9 if stream.last_emit_ns else None
+                self.metrics.observe_tokens(len(o.new_token_ids), gap)
+                stream.last_emit_ns = emit_ns
             if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
                 log.warning("slow_consumer", request_id=o.request_id)
                 self._fail(o.request_id, SLOW_CONSUMER)
@@ -153,6 +193,25 @@ class EngineClient:
                 listener(out)
             except Exception:
                 log.exception("step_listener_failed")
+
+    def _finished(self, req: Request, finish_reason: str) -> None:
+        """Metrics, the request's spans and its log line, from the engine's timestamps."""
+        self.metrics.observe_finish(req, finish_reason)
+        if self.tracing is not None:
+            self.tracing.finish_request(req, finish_reason)
+        fields: dict[str, Any] = {
+            "request_id": req.request_id,
+            "finish_reason": finish_reason,
+            "prompt_tokens": req.num_prompt_tokens,
+            "completion_tokens": req.num_output_tokens,
+            "cached_tokens": req.num_cached_tokens,
+            "preemptions": req.num_preemptions,
+            **request_timings(req.timeline).as_dict(),
+        }
+        if self.log_text:
+            fields["prompt"] = self.tokenizer.decode(req.prompt_token_ids)
+            fields["completion"] = self.tokenizer.decode(req.output_token_ids)
+        log.info("request_finished", **fields)
 
     def _fail(self, request_id: str, reason: str) -> None:
         stream = self._streams.pop(request_id, None)

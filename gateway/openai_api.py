@@ -88,6 +88,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         request_id = client.new_id("chatcmpl" if chat else "cmpl")
         stream, prompt_tokens = await client.submit(req, request_id)
     except ProtocolError as exc:
+        client.metrics.errors.labels(exc.code).inc()
         return error_response(exc.code, exc.message)
     model = body.get("model") or client.settings.model_name
     maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
@@ -136,8 +137,14 @@ class _Shape:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
 
 
 def _finish(piece: Piece) -> str:
@@ -161,6 +168,7 @@ async def _sse(
                 finished = finish is not None
         except ProtocolError as exc:
             finished = True
+            client.metrics.errors.labels(exc.code).inc()
             yield b"data: " + orjson.dumps(error_body(exc.code, exc.message)) + b"\n\n"
         if usage:
             tail = {**shape.chunk(None, None), "choices": [], "usage": shape.usage()}
@@ -199,5 +207,6 @@ async def _collect(
         return Response(status_code=499)
     if "error" in result:
         exc = result["error"]
+        client.metrics.errors.labels(exc.code).inc()
         return error_response(exc.code, exc.message)
     return JSONResponse(result)

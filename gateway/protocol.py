@@ -78,8 +78,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise ProtocolError("invalid_request", f"each message needs a role in {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):  # fmt: skip
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise ProtocolError("invalid_request", "only text content parts are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):

@@ -38,6 +38,7 @@ class RequestStream:
         self._slow_ns = int(slow_consumer_s * 1e9)
         self.num_tokens = 0
         self.finished = False
+        self.last_emit_ns = 0  # engine time of the previous tokens (for inter-token gaps)
         # called after every put: lets one task per connection drain many streams
         self.on_put: Callable[[], None] | None = None
 

@@ -62,6 +62,7 @@ class Connection:
             self.closed = True  # the reader sees the disconnect and cleans up
 
     async def error(self, code: str, message: str, gen_id: str | None = None) -> None:
+        self.client.metrics.errors.labels(code).inc()
         await self.send({"type": "error", "id": gen_id, "code": code, "message": message})
 
     async def run(self) -> None:

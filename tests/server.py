@@ -23,8 +23,8 @@ from gateway.settings import GatewaySettings
 
 
 class RunningServer:
-    def __init__(self, engine: Engine, tokenizer, settings: GatewaySettings | None = None) -> None:
-        self.client = EngineClient(engine, tokenizer, settings or GatewaySettings())
+    def __init__(self, engine: Engine, tokenizer, settings: GatewaySettings | None = None, tracing=None) -> None:
+        self.client = EngineClient(engine, tokenizer, settings or GatewaySettings(), tracing)
         self.server = make_server(self.client, "127.0.0.1", 0)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -40,9 +40,12 @@ def test_official_client_chat_and_completions(which, request):
     client = openai_client(srv)
     assert client.models.list().data[0].id
     chat = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Say hi"}], max_tokens=7, temperature=0,
+        model="m",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=7,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert chat.object == "chat.completion" and chat.choices[0].finish_reason == "length"
     assert chat.usage.completion_tokens == 7 and chat.usage.prompt_tokens > 10
     assert isinstance(chat.choices[0].message.content, str)
@@ -50,16 +53,21 @@ def test_official_client_chat_and_completions(which, request):
     assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 5
     chunks = list(
         client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Count"}], max_tokens=6, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model="m",
+            messages=[{"role": "user", "content": "Count"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    comp_stream = list(client.completions.create(model="m", prompt="A", max_tokens=4, stream=True,
-                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    comp_stream = list(
+        client.completions.create(model="m", prompt="A", max_tokens=4, stream=True, extra_body={"ignore_eos": True})
+    )
     assert comp_stream[-1].choices[0].finish_reason == "length"
     assert text == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert srv.wait_kv_baseline() == 0
@@ -86,8 +94,7 @@ async def test_streaming_disconnect_aborts_and_frees_kv(server):
 async def test_non_streaming_disconnect_aborts(server):
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=0.5)
     with pytest.raises(APITimeoutError):  # the client gives up and hangs up
-        await client.completions.create(model="m", prompt="y " * 100, max_tokens=7000,
-                                        extra_body={"ignore_eos": True})  # fmt: skip
+        await client.completions.create(model="m", prompt="y " * 100, max_tokens=7000, extra_body={"ignore_eos": True})
     assert await asyncio.to_thread(server.wait_kv_baseline) == 0
 
 
@@ -144,8 +151,9 @@ BAD_WS = [
 
 async def test_bad_ws_frames_get_errors_and_the_connection_keeps_serving(server):
     async with connect(server.ws_url, max_size=None) as ws, connect(server.ws_url) as bystander:
-        await bystander.send(orjson.dumps({"type": "generate", "id": "b", "prompt": "hi", "max_tokens": 30,
-                                           "ignore_eos": True}).decode())  # fmt: skip
+        await bystander.send(
+            orjson.dumps({"type": "generate", "id": "b", "prompt": "hi", "max_tokens": 30, "ignore_eos": True}).decode()
+        )
         for frame, code in BAD_WS:
             await ws.send(frame)
             reply = orjson.loads(await asyncio.wait_for(ws.recv(), 20))
@@ -226,10 +234,16 @@ def test_api_keys_on_http():
 async def test_graceful_shutdown_finishes_or_cancels_in_flight_streams():
     srv = sim_server(time_scale=0.05, settings=GatewaySettings(drain_timeout_s=0.5))
     async with connect(srv.ws_url) as ws:
-        await ws.send(orjson.dumps({"type": "generate", "id": "short", "prompt": "a", "max_tokens": 3,
-                                    "ignore_eos": True}).decode())  # fmt: skip
-        await ws.send(orjson.dumps({"type": "generate", "id": "long", "prompt": "b", "max_tokens": 7000,
-                                    "ignore_eos": True}).decode())  # fmt: skip
+        await ws.send(
+            orjson.dumps(
+                {"type": "generate", "id": "short", "prompt": "a", "max_tokens": 3, "ignore_eos": True}
+            ).decode()
+        )
+        await ws.send(
+            orjson.dumps(
+                {"type": "generate", "id": "long", "prompt": "b", "max_tokens": 7000, "ignore_eos": True}
+            ).decode()
+        )
         while orjson.loads(await ws.recv())["type"] != "token":
             pass
         srv.server.handle_exit(signal.SIGTERM, None)  # what uvicorn calls on SIGTERM

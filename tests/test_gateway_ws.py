@@ -64,8 +64,9 @@ async def test_many_clients_multiplexed_ids(server):
     async def one_connection(c):
         async with connect(server.ws_url) as ws:
             for g in range(3):
-                await send(ws, type="generate", id=f"g{g}", prompt=f"client {c} gen {g}", max_tokens=10 + g,
-                           ignore_eos=True)  # fmt: skip
+                await send(
+                    ws, type="generate", id=f"g{g}", prompt=f"client {c} gen {g}", max_tokens=10 + g, ignore_eos=True
+                )
             frames = await collect(ws, [f"g{g}" for g in range(3)])
             for g in range(3):
                 check_stream(frames[f"g{g}"], 10 + g)
@@ -78,8 +79,9 @@ async def test_chat_messages_and_ping(server):
     async with connect(server.ws_url) as ws:
         await send(ws, type="ping")
         assert await recv(ws) == {"type": "pong"}
-        await send(ws, type="generate", id="c1", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
-                   ignore_eos=True)  # fmt: skip
+        await send(
+            ws, type="generate", id="c1", messages=[{"role": "user", "content": "hello"}], max_tokens=5, ignore_eos=True
+        )
         frames = (await collect(ws, ["c1"]))["c1"]
         assert frames[0]["prompt_tokens"] > 20  # the chat template's system prompt is included
         check_stream(frames, 5)
@@ -239,8 +241,14 @@ async def test_tiny_model_streams_over_websocket():
     try:
         async with connect(server.ws_url) as ws:
             for i in range(3):
-                await send(ws, type="generate", id=f"t{i}", messages=[{"role": "user", "content": f"hi {i}"}],
-                           max_tokens=6, ignore_eos=True)  # fmt: skip
+                await send(
+                    ws,
+                    type="generate",
+                    id=f"t{i}",
+                    messages=[{"role": "user", "content": f"hi {i}"}],
+                    max_tokens=6,
+                    ignore_eos=True,
+                )
             frames = await collect(ws, ["t0", "t1", "t2"])
             for i in range(3):
                 check_stream(frames[f"t{i}"], 6)

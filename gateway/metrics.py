@@ -1,0 +1,115 @@
+"""Prometheus metrics (``GET /metrics``), fed from the engine's own timestamps.
+
+Histograms start at 1 ms, because vLLM's 10 ms smallest ITL bucket hides
+the tail on fast decodes; ``itl`` observes every gap, not per-request means.
+Each server owns its registry (several servers can live in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+
+from core.batch import IterationRecord
+from core.config import CHUNKING_MODES
+from core.request import Request
+from core.stats import gaps_ns
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"stallfree_{name}_seconds", doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = hist("ttft", "Time to first token, from arrival")
+        self.itl = hist("itl", "Every inter-token gap")
+        self.max_gap = hist("max_gap", "Largest inter-token gap of each finished request")
+        self.queue_wait = hist("queue_wait", "Arrival to first scheduled")
+        self.prefill = hist("prefill", "First scheduled to first token")
+        self.decode = hist("decode", "First token to finish")
+        self.e2e = hist("e2e", "Arrival to finish")
+        self.iteration = hist("iteration_duration", "Engine iteration wall time")
+        self.running = Gauge("stallfree_requests_running", "Requests admitted (prefilling or decoding)", registry=r)
+        self.waiting = Gauge("stallfree_requests_waiting", "Requests waiting for admission", registry=r)
+        self.partial = Gauge("stallfree_partial_prefills", "Prompts partly prefilled", registry=r)
+        self.kv_blocks = Gauge("stallfree_kv_blocks", "KV cache blocks by state", ["state"], registry=r)
+        self.token_budget = Gauge("stallfree_token_budget", "Tokens per iteration", registry=r)
+        self.chunking = Enum("stallfree_chunking_mode", "Scheduler mode", states=list(CHUNKING_MODES), registry=r)
+        self.prompt_tokens = Counter("stallfree_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("stallfree_generation_tokens", "Tokens generated", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "stallfree_prefix_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.preemptions = Counter("stallfree_preemptions", "Requests preempted (recompute)", registry=r)
+        self.finished = Counter("stallfree_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.aborts = Counter("stallfree_aborts", "Requests aborted (cancel, disconnect, stop string)", registry=r)
+        self.errors = Counter("stallfree_errors", "Errors returned to clients, by code", ["code"], registry=r)
+
+    def observe_iteration(self, it: IterationRecord) -> None:
+        self.iteration.observe(it.duration_ns / 1e9)
+        self.running.set(it.num_running)
+        self.waiting.set(it.num_waiting)
+        self.partial.set(it.num_partial_prefills)
+        self.kv_blocks.labels("used").set(it.kv_used_blocks)
+        self.kv_blocks.labels("free").set(it.kv_free_blocks)
+        self.kv_blocks.labels("cached").set(it.kv_cached_blocks)
+        self.token_budget.set(it.token_budget)
+        self.chunking.state(it.chunking)
+        if it.preemptions:
+            self.preemptions.inc(it.preemptions)
+
+    def observe_tokens(self, count: int, gap_s: float | None) -> None:
+        """Tokens one request got in one iteration; gap_s since its previous ones."""
+        self.generation_tokens.inc(count)
+        if gap_s is not None:
+            for _ in range(count):  # tokens of one iteration arrive together; the first carries the gap
+                self.itl.observe(gap_s)
+                gap_s = 0.0
+
+    def observe_finish(self, req: Request, finish_reason: str) -> None:
+        tl = req.timeline
+        self.finished.labels(finish_reason).inc()
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.prefix_hit_tokens.inc(req.num_cached_tokens)
+        if finish_reason == "abort":
+            self.aborts.inc()
+        if tl.finished_ns is None:
+            return
+        scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else tl.finished_ns
+        self.queue_wait.observe((scheduled - tl.arrival_ns) / 1e9)
+        self.e2e.observe((tl.finished_ns - tl.arrival_ns) / 1e9)
+        if tl.first_token_ns is not None:
+            self.ttft.observe((tl.first_token_ns - tl.arrival_ns) / 1e9)
+            self.prefill.observe((tl.first_token_ns - scheduled) / 1e9)
+            self.decode.observe((tl.finished_ns - tl.first_token_ns) / 1e9)
+            self.max_gap.observe(max(gaps_ns(tl), default=0) / 1e9)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
