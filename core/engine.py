@@ -39,6 +39,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None  # stop | length | abort | error
     request: Request | None = None  # set once finished: the engine no longer touches it
+    stalled: bool = False  # another request's prefill ran since this request's previous token
 
 
 @dataclass(slots=True)
@@ -127,11 +128,11 @@ class Engine:
         emitted = self.scheduler.update(batch, sampled, start_ns, end_ns)
         return self._collect(self._record(batch, start_ns, end_ns), emitted)
 
-    def _collect(self, record: IterationRecord | None, emitted: list[tuple[Request, int]]) -> StepOutput | None:
+    def _collect(self, record: IterationRecord | None, emitted: list[tuple[Request, int, bool]]) -> StepOutput | None:
         outputs = []
-        for req, token in emitted:
+        for req, token, stalled in emitted:
             done = req.status.finished
-            outputs.append(RequestOutput(req.request_id, [token], req.finish_reason, req if done else None))
+            outputs.append(RequestOutput(req.request_id, [token], req.finish_reason, req if done else None, stalled))
         outputs += [RequestOutput(r.request_id, [], r.finish_reason, r) for r in self._unreported]
         self._unreported = []
         if record is None and not outputs:

@@ -85,8 +85,8 @@ class Timeline:
     finished_ns: int | None = None
     chunks: list[Chunk] = field(default_factory=list)
     token_ns: list[int] = field(default_factory=list)  # one per generated token
-    # per generated token after the first: did the iteration that produced it
-    # also carry another request's prefill chunk (a "stall" gap)?
+    # per generated token after the first: did another request's prefill chunk
+    # run between it and the previous token (a "stall" gap)?
     gap_with_prefill: list[bool] = field(default_factory=list)
 
 
@@ -107,6 +107,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     reserved_blocks: int = 0
     admit_seq: int = 0  # admission order among running requests (newest = largest)
+    last_token_iteration: int = 0  # iteration that produced the latest token
     timeline: Timeline = field(init=False)
 
     def __post_init__(self) -> None:

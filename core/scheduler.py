@@ -14,6 +14,7 @@ Pure Python: it decides, the runner computes.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from core.batch import Batch, Item
@@ -44,6 +45,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._iteration = 0
         self._admitted = 0
+        # recent iterations that ran prefill chunks: (iteration, ids of the requests chunked)
+        self._prefill_log: deque[tuple[int, frozenset[str]]] = deque(maxlen=4096)
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -188,12 +191,15 @@ class Scheduler:
         batch.preempted.append(req)
 
     # -- update ------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[int], start_ns: int, end_ns: int) -> list[tuple[Request, int]]:
+    def update(self, batch: Batch, sampled: list[int], start_ns: int, end_ns: int) -> list[tuple[Request, int, bool]]:
         """Advance every request in batch; sampled holds one token per item that
-        samples, in item order. Returns the (request, token) pairs emitted."""
+        samples, in item order. Returns (request, token, stalled) for each token
+        emitted; stalled: another request's prefill ran since its previous token."""
         emitted = []
         tokens = iter(sampled)
-        prefilling = {item.request for item in batch.items if item.is_prefill}
+        chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
+        if chunked:
+            self._prefill_log.append((batch.iteration, chunked))
         for item in batch.items:
             req = item.request
             samples = item.samples
@@ -206,10 +212,26 @@ class Scheduler:
             self.kv.cache_computed(req)
             if samples:
                 token = next(tokens)
-                stalled = len(prefilling) > (req in prefilling)
+                stalled = self._overlapped_prefill(req, batch.iteration)
                 self._append_token(req, token, end_ns, stalled)
-                emitted.append((req, token))
+                emitted.append((req, token, stalled))
         return emitted
+
+    def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
+        """Did another request's prefill run after req's previous token, up to now?
+
+        In stall_free mode that is a chunk in this very iteration; unchunked, it
+        is the whole-prompt iteration the decodes sat out.
+        """
+        since, req.last_token_iteration = req.last_token_iteration, iteration
+        if req.timeline.first_token_ns is None:
+            return False  # first token: no gap yet
+        for it, ids in reversed(self._prefill_log):
+            if it <= since:
+                return False
+            if len(ids) > (req.request_id in ids):
+                return True
+        return False
 
     def _append_token(self, req: Request, token: int, now_ns: int, stalled: bool) -> None:
         req.output_token_ids.append(token)

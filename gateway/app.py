@@ -8,15 +8,18 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.config import LIVE_SETTINGS
 from gateway.auth import key_matches, request_key
+from gateway.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
 from gateway.engine_client import EngineClient
 from gateway.openai_api import chat_completions, completions, error_response, models, read_json
 from gateway.protocol import ProtocolError, error_body
@@ -56,7 +59,12 @@ async def config_view(client: EngineClient) -> dict[str, Any]:
         }
 
     view = await asyncio.wrap_future(client.step_loop.call(snapshot))
-    return {**view, "live_settings": list(LIVE_SETTINGS), "model": client.settings.model_name}
+    return {
+        **view,
+        "live_settings": list(LIVE_SETTINGS),
+        "model": client.settings.model_name,
+        "auth_required": bool(client.settings.api_keys),
+    }
 
 
 async def api_config(request: Request) -> Response:
@@ -101,27 +109,35 @@ class ApiKeyMiddleware:
 
 
 def create_app(client: EngineClient) -> Starlette:
+    hub = TelemetryHub(client)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await client.start()
         try:
-            yield
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(hub.run)
+                yield
+                tg.cancel_scope.cancel()
         finally:
             client.stop()
 
-    app = Starlette(
-        routes=[
-            Route("/healthz", healthz),
-            Route("/readyz", readyz),
-            Route("/metrics", metrics),
-            Route("/api/config", api_config, methods=["GET", "PUT"]),
-            Route("/v1/models", models),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            WebSocketRoute("/v1/stream", stream_endpoint),
-        ],
-        lifespan=lifespan,
-    )
+    routes: list[BaseRoute] = [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+        Route("/api/config", api_config, methods=["GET", "PUT"]),
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        WebSocketRoute("/v1/stream", stream_endpoint),
+        WebSocketRoute("/ws/telemetry", telemetry_endpoint),
+    ]
+    if WEB_DIR.is_dir():
+        routes.append(Mount("/", StaticFiles(directory=WEB_DIR, html=True)))
+
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.client = client
+    app.state.telemetry_hub = hub
     app.add_middleware(ApiKeyMiddleware, client=client)
     return app

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import structlog
 
-from core.engine import Engine, RequestRejected, StepOutput
+from core.engine import Engine, RequestOutput, RequestRejected, StepOutput
 from core.request import Request
 from core.stats import request_timings
 from core.step_loop import StepLoop
@@ -26,6 +26,7 @@ from gateway.metrics import Metrics
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.settings import GatewaySettings
 from gateway.streams import SLOW_CONSUMER, RequestStream
+from gateway.telemetry import Telemetry
 from gateway.tracing import Tracing
 
 log = structlog.get_logger(__name__)
@@ -44,6 +45,7 @@ class EngineClient:
         self.tokenizer = tokenizer
         self.settings = settings
         self.metrics = Metrics()
+        self.telemetry = Telemetry()
         self.tracing = tracing
         self.log_text = log_text  # prompt and completion text in request logs: off unless asked
         self.step_loop = StepLoop(engine, self._on_step)
@@ -53,8 +55,6 @@ class EngineClient:
         self._unstarted: set[str] = set()  # accepted, no first token yet
         self._ids = itertools.count()
         self._last_submit_ns = 0
-        # called on the loop with every StepOutput (metrics, telemetry)
-        self.step_listeners: list[Callable[[StepOutput], None]] = []
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -170,33 +170,39 @@ class EngineClient:
         emit_ns = it.end_ns if it is not None else time.perf_counter_ns()
         if it is not None:
             self.metrics.observe_iteration(it)
+            self.telemetry.on_iteration(it)
             if self.tracing is not None:
                 self.tracing.iteration(it)
         for o in out.outputs:
-            if o.finish_reason is not None and o.request is not None:
-                self._finished(o.request, o.finish_reason)
-            stream = self._streams.get(o.request_id)
-            if stream is None:
-                continue
-            self._unstarted.discard(o.request_id)
-            if o.new_token_ids:
-                gap = (emit_ns - stream.last_emit_ns) / 1e9 if stream.last_emit_ns else None
-                self.metrics.observe_tokens(len(o.new_token_ids), gap)
-                stream.last_emit_ns = emit_ns
-            if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
-                log.warning("slow_consumer", request_id=o.request_id)
-                self._fail(o.request_id, SLOW_CONSUMER)
-            elif o.finish_reason is not None:
-                del self._streams[o.request_id]
-        for listener in self.step_listeners:
             try:
-                listener(out)
-            except Exception:
-                log.exception("step_listener_failed")
+                self._deliver(o, emit_ns)
+            except Exception:  # one request's failure must not stall everybody's delivery
+                log.exception("fan_out_failed", request_id=o.request_id)
+                self._fail(o.request_id, "error")
+
+    def _deliver(self, o: RequestOutput, emit_ns: int) -> None:
+        if o.finish_reason is not None and o.request is not None:
+            self._finished(o.request, o.finish_reason)
+        stream = self._streams.get(o.request_id)
+        if stream is None:
+            return
+        self._unstarted.discard(o.request_id)
+        if o.new_token_ids:
+            gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
+            self.metrics.observe_tokens(len(o.new_token_ids), gap_ns / 1e9 if gap_ns is not None else None)
+            if gap_ns is not None:
+                self.telemetry.on_gap(o.request_id, emit_ns, gap_ns, o.stalled)
+            stream.last_emit_ns = emit_ns
+        if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
+            log.warning("slow_consumer", request_id=o.request_id)
+            self._fail(o.request_id, SLOW_CONSUMER)
+        elif o.finish_reason is not None:
+            del self._streams[o.request_id]
 
     def _finished(self, req: Request, finish_reason: str) -> None:
         """Metrics, the request's spans and its log line, from the engine's timestamps."""
         self.metrics.observe_finish(req, finish_reason)
+        self.telemetry.on_finish(req)
         if self.tracing is not None:
             self.tracing.finish_request(req, finish_reason)
         fields: dict[str, Any] = {

@@ -36,6 +36,8 @@ def test_figure3_unchunked_stalls_b_for_the_whole_prefill():
     b = rep["requests"]["B"]
     assert rep["requests"]["A"]["chunks"] == 1
     assert b["max_gap_ms"] == pytest.approx(327.7 + 5.33, rel=0.01)
+    # B sat out A's prefill iteration: the gap spanning it overlapped another request's prefill
+    assert b["gaps_with_prefill"] == 1
     assert rep["summary"]["itl_p50_ms"] == pytest.approx(5.33, rel=0.01)  # the average user sees nothing
 
 

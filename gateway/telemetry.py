@@ -1,0 +1,89 @@
+"""Live telemetry for the dashboard: recent gaps, iterations and TTFTs.
+
+Fed from the same per-iteration fan-out (and the same engine timestamps) as
+the metrics. Frames are built at most ``FRAMES_PER_S`` times a second and
+only while someone watches; with hundreds of streams a frame stays small
+because only ``MAX_SERIES`` streams are sent gap by gap (every gap still
+counts in the rolling p50/p99/max).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from core.batch import IterationRecord
+from core.request import Request
+from core.stats import percentile
+
+FRAMES_PER_S = 10
+MAX_SERIES = 12
+WINDOW_S = 10.0
+MAX_PENDING = 2000  # per kind, between two frames
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter_ns()
+        self._gaps: list[list[float]] = []  # [series slot, t ms, gap ms, stall]
+        self._iterations: list[list[float]] = []  # [t ms, duration ms, decode, prefill, budget]
+        self._ttfts: list[list[Any]] = []  # [request id, queue ms, prefill ms]
+        self._window: deque[tuple[int, float]] = deque(maxlen=20_000)  # (t ns, gap ms)
+        self._slots: dict[str, int] = {}
+        self._last: IterationRecord | None = None
+
+    def _ms(self, ns: int) -> float:
+        return round((ns - self._t0) / 1e6, 2)
+
+    def on_iteration(self, it: IterationRecord) -> None:
+        self._last = it
+        if len(self._iterations) < MAX_PENDING:
+            self._iterations.append([self._ms(it.end_ns), round(it.duration_ns / 1e6, 2), it.decode_tokens,
+                                     it.prefill_tokens, it.token_budget])  # fmt: skip
+
+    def on_gap(self, request_id: str, emit_ns: int, gap_ns: int, stall: bool) -> None:
+        """One inter-token gap; stall: the iteration also ran another request's prefill chunk."""
+        gap_ms = gap_ns / 1e6
+        self._window.append((emit_ns, gap_ms))
+        slot = self._slots.get(request_id)
+        if slot is None and len(self._slots) < MAX_SERIES:
+            used = set(self._slots.values())
+            slot = self._slots[request_id] = next(i for i in range(MAX_SERIES) if i not in used)
+        if slot is not None and len(self._gaps) < MAX_PENDING:
+            self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stall)])
+
+    def on_finish(self, req: Request) -> None:
+        self._slots.pop(req.request_id, None)
+        tl = req.timeline
+        if tl.first_token_ns is None or len(self._ttfts) >= MAX_PENDING:
+            return
+        scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else tl.first_token_ns
+        self._ttfts.append([req.request_id, round((scheduled - tl.arrival_ns) / 1e6, 2),
+                            round((tl.first_token_ns - scheduled) / 1e6, 2)])  # fmt: skip
+
+    def frame(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Everything since the previous frame, plus rolling gap statistics."""
+        now = time.perf_counter_ns()
+        horizon = now - int(WINDOW_S * 1e9)
+        while self._window and self._window[0][0] < horizon:
+            self._window.popleft()
+        gaps = [g for _, g in self._window]
+        it = self._last
+        frame = {
+            "type": "telemetry",
+            "t": self._ms(now),
+            "gaps": self._gaps,
+            "iterations": self._iterations,
+            "ttft": self._ttfts[-20:],
+            "stats": {"p50": round(percentile(gaps, 50), 2), "p99": round(percentile(gaps, 99), 2),
+                      "max": round(max(gaps, default=0.0), 2), "count": len(gaps), "window_s": WINDOW_S},
+            "state": {
+                "running": it.num_running if it else 0, "waiting": it.num_waiting if it else 0,
+                "partial_prefills": it.num_partial_prefills if it else 0,
+                "kv_used": it.kv_used_blocks if it else 0, "kv_cached": it.kv_cached_blocks if it else 0,
+                "kv_free": it.kv_free_blocks if it else 0, **config,
+            },
+        }  # fmt: skip
+        self._gaps, self._iterations, self._ttfts = [], [], []
+        return frame
