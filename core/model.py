@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from core.model_config import ModelConfig
@@ -20,12 +19,11 @@ from core.model_config import ModelConfig
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: kernels.Linear  # [(heads + 2 * kv_heads) * head_dim, hidden] (+ bias for Qwen2)
+    o: kernels.Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * ffn, hidden]
-    down: torch.Tensor
+    gate_up: kernels.Linear  # [2 * ffn, hidden]
+    down: kernels.Linear
 
 
 def rope_cos_sin(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -64,7 +62,7 @@ class LlamaModel:
             return torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
+        self.lm_head = kernels.Linear(self.embed if config.tie_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -75,12 +73,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=cat(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
-                    qkv_bias=bias,
-                    o=w(p + "self_attn.o_proj.weight"),
+                    qkv=kernels.Linear(cat(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")), bias),
+                    o=kernels.Linear(w(p + "self_attn.o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=kernels.Linear(cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                    down=kernels.Linear(w(p + "mlp.down_proj.weight")),
                 )
             )
         self.cos_sin = rope_cos_sin(config, device)
@@ -109,7 +106,7 @@ class LlamaModel:
                 x = kernels.rms_norm(h, layer.input_norm, eps)
             else:
                 x, residual = kernels.add_rms_norm(h, residual, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q, k = kernels.rope(
                 q.view(t, cfg.num_heads, cfg.head_dim),
@@ -119,8 +116,8 @@ class LlamaModel:
             )
             kernels.write_kv(k_cache[i], v_cache[i], k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache[i], v_cache[i], meta, self.scale)
-            h = F.linear(attn.view(t, q_size), layer.o)
+            h = layer.o(attn.view(t, q_size))
             x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
-            h = F.linear(kernels.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            h = layer.down(kernels.silu_mul(layer.gate_up(x)))
         last = (residual + h.float())[logits_rows]
-        return F.linear(kernels.rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        return self.lm_head(kernels.rms_norm(last, self.final_norm, eps)).float()

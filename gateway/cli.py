@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from core.build import ModelSettings, build_engine, build_sim_engine
 from core.config import CHUNKING_MODES, POLICIES, CacheConfig, SchedulerConfig
 from core.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
 from core.detokenizer import Detokenizer
-from core.loader import ModelLoadError
+from core.export import export_hf_dir
+from core.loader import ModelLoadError, load_model
 from core.planner import format_plan, plan
 from core.profiler import (
     Profile,
@@ -34,6 +36,8 @@ from core.profiler import (
 from core.request import Request, SamplingParams
 from core.simulator import format_report, load_trace, report, scenario, simulate
 from core.stats import request_timings
+from gateway.bench import add_bench_args, plot_report, run_bench
+from gateway.bench import format_report as format_bench
 from gateway.engine_client import EngineClient
 from gateway.logs import configure_logging
 from gateway.serve import log_startup, make_server
@@ -286,6 +290,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server.run()
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    loaded = load_model(args.model)
+    export_hf_dir(loaded, args.out)
+    print(f"wrote {loaded.config.name} ({loaded.source}) to {args.out}", file=sys.stderr)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    report = run_bench(args)
+    if args.out:
+        (args.out).mkdir(parents=True, exist_ok=True)
+        (args.out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+        for path in plot_report(report, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    _emit(args, report, format_bench(report))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stallfree", description="Stall-free LLM serving gateway and tools.")
     parser.add_argument("--log-level", help="log level on stderr (default: info for serve, else warning)")
@@ -359,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-profile", type=Path, help="cost model from `stallfree profile`")
     sim.add_argument("--sim-time-scale", type=float, default=1.0, help="multiply simulated iteration times")
     sv.set_defaults(func=cmd_serve)
+    ex = sub.add_parser("export", help="write a model as a Hugging Face directory (safetensors + tokenizer.json)")
+    ex.add_argument("out", type=Path)
+    ex.add_argument("--model", help="GGUF file or HF directory (default: the embedded SmolLM2)")
+    ex.set_defaults(func=cmd_export)
+
+    be = sub.add_parser("bench", help="load a server (this one or any OpenAI-compatible) and report latencies")
+    add_bench_args(be)
+    be.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -367,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level or ("info" if args.command == "serve" else "warning"))
     try:
         args.func(args)
-    except (ValueError, OSError, ModelLoadError) as exc:
+    except (ValueError, OSError, ModelLoadError, httpx.HTTPError) as exc:
         print(f"stallfree {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -6,10 +6,12 @@ device.
 """
 
 from kernels.attention_meta import AttentionMeta, build_attention_meta
+from kernels.linear import Linear
 from kernels.reference import add_rms_norm, paged_attention, rms_norm, rope, silu_mul, write_kv
 
 __all__ = [
     "AttentionMeta",
+    "Linear",
     "add_rms_norm",
     "build_attention_meta",
     "paged_attention",

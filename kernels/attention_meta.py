@@ -27,7 +27,7 @@ class AttentionMeta:
     query_start_host: list[int] = field(default_factory=list)
     max_seq_len: int = 0
     # derived once per iteration by the torch reference (see kernels.reference)
-    decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_gather: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_seqs(self) -> int:
