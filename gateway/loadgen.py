@@ -218,14 +218,24 @@ class OpenAITarget:
     """Any OpenAI-compatible server: streaming /v1/completions over SSE."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.model = model
-        self.client = httpx.AsyncClient(
-            base_url=base_url,
-            headers=headers,
-            timeout=httpx.Timeout(600, connect=30),
-            limits=httpx.Limits(max_connections=1000),
-        )
+        self.base_url, self.model = base_url, model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._clients: dict[int, httpx.AsyncClient] = {}
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """One connection pool per event loop (each asyncio.run has its own)."""
+        loop = id(asyncio.get_running_loop())
+        if loop not in self._clients:
+            self._clients = {
+                loop: httpx.AsyncClient(
+                    base_url=self.base_url,
+                    headers=self.headers,
+                    timeout=httpx.Timeout(600, connect=30),
+                    limits=httpx.Limits(max_connections=1000),
+                )
+            }
+        return self._clients[loop]
 
     async def run(self, job: Job, t0: float) -> Result:
         res = Result(job, time.perf_counter() - t0)

@@ -1,0 +1,109 @@
+"""The article's burst example on the real model: several long prompts arrive at
+once while users decode. How long does the last one wait for its first token,
+and what does chunking do to the decoders meanwhile?
+
+    .venv/bin/python -m bench.burst [--repeats 2] [--prompts 4] [--tokens 1500]
+
+Starts `stallfree serve` (embedded model, one torch thread, budget 512) and
+alternates chunking stall_free / none through /api/config (A B A B).
+Writes bench/results/burst.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+
+import httpx
+
+from bench.compare import OUT, ROOT, free_port, stop, wait_ready
+from core.gguf import GGUFFile
+from core.loader import embedded_model_path
+from core.tokenizer import Tokenizer
+from gateway.loadgen import Job, PromptMaker, StallfreeTarget, run_jobs, summarize
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--decoders", type=int, default=8)
+    args = ap.parse_args()
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "--log-level",
+        "warning",
+        "serve",
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+        "--token-budget",
+        "512",
+        "--max-model-len",
+        "4096",
+    ]
+    server = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    rows = []
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/readyz", server)
+        target = StallfreeTarget(f"ws://127.0.0.1:{port}/v1/stream")
+        seed = 100
+        for rep in range(args.repeats):
+            for mode in ("stall_free", "none"):
+                httpx.put(f"http://127.0.0.1:{port}/api/config", json={"chunking": mode}, timeout=30)
+                seed += 1
+                make = PromptMaker(tokenizer, seed)
+                decode_tokens = 40 + args.prompts * args.tokens // 40
+                jobs = [Job(0.0, make(32), decode_tokens, "decoder") for _ in range(args.decoders)]
+                jobs += [Job(2.0, make(args.tokens), 8, "long") for _ in range(args.prompts)]
+                results = asyncio.run(run_jobs(target, jobs))
+                long_ttft = sorted(r.ttft_s * 1e3 for r in results if r.job.group == "long" and r.ttft_s)
+                dec = summarize(results, "decoder")
+                rows.append(
+                    {
+                        "mode": mode,
+                        "repeat": rep,
+                        "last_ttft_ms": long_ttft[-1],
+                        "first_ttft_ms": long_ttft[0],
+                        "decoder_itl_p50_ms": dec["itl_p50_ms"],
+                        "decoder_itl_p99_ms": dec["itl_p99_ms"],
+                        "decoder_max_gap_ms": dec["max_gap_ms"],
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        stop(server)
+    command = ("python -m bench.burst " + " ".join(sys.argv[1:])).strip()
+    (OUT / "burst.json").write_text(json.dumps({"command": command, "args": vars(args), "rows": rows}, indent=2))
+    lines = [
+        f"# Burst: {args.prompts} prompts of {args.tokens} tokens at once, {args.decoders} users decoding "
+        "(embedded SmolLM2, 1 thread, budget 512)",
+        "",
+        f"`{command}` — medians of {args.repeats} alternating runs.",
+        "",
+        "| chunking | first TTFT ms | last TTFT ms | decoders' ITL p50 ms | p99 ms | max gap ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode in ("stall_free", "none"):
+        rs = [r for r in rows if r["mode"] == mode]
+        m = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("mode", "repeat")}
+        lines.append(
+            f"| {mode} | {m['first_ttft_ms']:.0f} | {m['last_ttft_ms']:.0f} | {m['decoder_itl_p50_ms']:.0f} "
+            f"| {m['decoder_itl_p99_ms']:.0f} | {m['decoder_max_gap_ms']:.0f} |"
+        )
+    (OUT / "burst.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

