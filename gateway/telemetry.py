@@ -39,8 +39,15 @@ class Telemetry:
     def on_iteration(self, it: IterationRecord) -> None:
         self._last = it
         if len(self._iterations) < MAX_PENDING:
-            self._iterations.append([self._ms(it.end_ns), round(it.duration_ns / 1e6, 2), it.decode_tokens,
-                                     it.prefill_tokens, it.token_budget])  # fmt: skip
+            self._iterations.append(
+                [
+                    self._ms(it.end_ns),
+                    round(it.duration_ns / 1e6, 2),
+                    it.decode_tokens,
+                    it.prefill_tokens,
+                    it.token_budget,
+                ]
+            )
 
     def on_gap(self, request_id: str, emit_ns: int, gap_ns: int, stall: bool) -> None:
         """One inter-token gap; stall: the iteration also ran another request's prefill chunk."""
@@ -59,8 +66,13 @@ class Telemetry:
         if tl.first_token_ns is None or len(self._ttfts) >= MAX_PENDING:
             return
         scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else tl.first_token_ns
-        self._ttfts.append([req.request_id, round((scheduled - tl.arrival_ns) / 1e6, 2),
-                            round((tl.first_token_ns - scheduled) / 1e6, 2)])  # fmt: skip
+        self._ttfts.append(
+            [
+                req.request_id,
+                round((scheduled - tl.arrival_ns) / 1e6, 2),
+                round((tl.first_token_ns - scheduled) / 1e6, 2),
+            ]
+        )
 
     def frame(self, config: dict[str, Any]) -> dict[str, Any]:
         """Everything since the previous frame, plus rolling gap statistics."""
@@ -76,14 +88,22 @@ class Telemetry:
             "gaps": self._gaps,
             "iterations": self._iterations,
             "ttft": self._ttfts[-20:],
-            "stats": {"p50": round(percentile(gaps, 50), 2), "p99": round(percentile(gaps, 99), 2),
-                      "max": round(max(gaps, default=0.0), 2), "count": len(gaps), "window_s": WINDOW_S},
-            "state": {
-                "running": it.num_running if it else 0, "waiting": it.num_waiting if it else 0,
-                "partial_prefills": it.num_partial_prefills if it else 0,
-                "kv_used": it.kv_used_blocks if it else 0, "kv_cached": it.kv_cached_blocks if it else 0,
-                "kv_free": it.kv_free_blocks if it else 0, **config,
+            "stats": {
+                "p50": round(percentile(gaps, 50), 2),
+                "p99": round(percentile(gaps, 99), 2),
+                "max": round(max(gaps, default=0.0), 2),
+                "count": len(gaps),
+                "window_s": WINDOW_S,
             },
-        }  # fmt: skip
+            "state": {
+                "running": it.num_running if it else 0,
+                "waiting": it.num_waiting if it else 0,
+                "partial_prefills": it.num_partial_prefills if it else 0,
+                "kv_used": it.kv_used_blocks if it else 0,
+                "kv_cached": it.kv_cached_blocks if it else 0,
+                "kv_free": it.kv_free_blocks if it else 0,
+                **config,
+            },
+        }
         self._gaps, self._iterations, self._ttfts = [], [], []
         return frame
