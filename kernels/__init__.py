@@ -1,13 +1,74 @@
 """Hot ops of the model, behind one dispatch point.
 
-The model runner calls only these functions. On CPU they are the torch
-reference (``kernels.reference``); Triton versions for CUDA plug in here by
-device.
+The model runner calls only these functions. Each picks its implementation
+by the device of its first tensor: Triton kernels (``kernels.triton_ops``) on
+CUDA, the torch reference (``kernels.reference``) elsewhere. Both share one
+signature per op; tests run the Triton versions on CPU under
+``TRITON_INTERPRET=1`` against the references.
 """
 
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from kernels import reference
 from kernels.attention_meta import AttentionMeta, build_attention_meta
 from kernels.linear import Linear
-from kernels.reference import add_rms_norm, paged_attention, rms_norm, rope, silu_mul, write_kv
+
+
+@cache
+def _triton() -> ModuleType | None:
+    """Imported on first use on CUDA only, so CPU runs never load Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from kernels import triton_ops
+
+    return triton_ops
+
+
+def _impl(t: torch.Tensor) -> ModuleType:
+    if t.is_cuda:
+        triton_ops = _triton()
+        if triton_ops is not None:
+            return triton_ops
+    return reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(x).add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    return _impl(x).silu_mul(x)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl(q).rope(q, k, positions, cos_sin)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _impl(k).write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
+) -> torch.Tensor:
+    return _impl(q).paged_attention(q, k_cache, v_cache, meta, scale)
+
 
 __all__ = [
     "AttentionMeta",

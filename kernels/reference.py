@@ -126,6 +126,8 @@ def paged_attention(
     for s in range(d, meta.num_seqs):
         start, end, seq_len = qs[s], qs[s + 1], lens[s]
         n = end - start
+        if n == 0:
+            continue
         nb = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[s, :nb].long()
         # 4-D [1, heads, len, dim]: with 3-D inputs SDPA on CPU leaves its flash
