@@ -15,12 +15,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 
 import httpx
 
-from bench.compare import OUT, ROOT, free_port, stop, wait_ready
+from bench.servers import OUT, start_stallfree, stop
 from core.gguf import GGUFFile
 from core.loader import embedded_model_path
 from core.tokenizer import Tokenizer
@@ -35,27 +34,9 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=8)
     args = ap.parse_args()
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "warning",
-        "serve",
-        "--port",
-        str(port),
-        "--threads",
-        "1",
-        "--token-budget",
-        "512",
-        "--max-model-len",
-        "4096",
-    ]
-    server = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    server, port = start_stallfree("--threads", "1", "--token-budget", "512", "--max-model-len", "4096")
     rows = []
     try:
-        wait_ready(f"http://127.0.0.1:{port}/readyz", server)
         target = StallfreeTarget(f"ws://127.0.0.1:{port}/v1/stream")
         seed = 100
         for rep in range(args.repeats):

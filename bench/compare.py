@@ -22,57 +22,25 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from bench.servers import OUT, ROOT, free_port, start_stallfree, stop, wait_ready
 from core.gguf import GGUFFile
 from core.loader import embedded_model_path
 from core.tokenizer import Tokenizer
 from gateway.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
 
-ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "bench" / "peers" / "vllm"
 MODEL_DIR = PEER / "smollm2-hf"
-OUT = ROOT / "bench" / "results"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see its log")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
-
-
-def start_stallfree(port: int, log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "warning",
-        "serve",
-        "--port",
-        str(port),
+def start_engine_stallfree(log: Path) -> tuple[subprocess.Popen, int]:
+    return start_stallfree(
         "--model",
         str(MODEL_DIR),
         "--threads",
@@ -83,10 +51,8 @@ def start_stallfree(port: int, log: Path) -> subprocess.Popen:
         "64",
         "--max-model-len",
         "4096",
-    ]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
-    wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
-    return proc
+        log=log,
+    )
 
 
 def start_vllm(port: int, log: Path, *extra: str) -> subprocess.Popen:
@@ -98,17 +64,6 @@ def start_vllm(port: int, log: Path, *extra: str) -> subprocess.Popen:
     )
     wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
     return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, 15)
-    except (ProcessLookupError, PermissionError):
-        proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
 
 
 def decode_jobs(make: PromptMaker, streams: int) -> list[Job]:
@@ -150,8 +105,8 @@ def main() -> None:
             flush=True,
         )
 
-    sf_port, vl_port = free_port(), free_port()
-    sf = start_stallfree(sf_port, logs / "stallfree.log")
+    vl_port = free_port()
+    sf, sf_port = start_engine_stallfree(logs / "stallfree.log")
     vl = start_vllm(vl_port, logs / "vllm-chunked.log")
     targets = {
         "stallfree": StallfreeTarget(f"ws://127.0.0.1:{sf_port}/v1/stream"),

@@ -18,37 +18,21 @@ import argparse
 import asyncio
 import gc
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import orjson
 from websockets.asyncio.client import connect
 
+from bench.servers import OUT, start_stallfree, stop
 from core.stats import percentile
-
-OUT = Path(__file__).parent / "results"
 
 
 def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "warning",
-        "serve",
+    return start_stallfree(
         "--sim",
-        "--port",
-        str(port),
         "--sim-time-scale",
         str(time_scale),
         "--max-num-seqs",
@@ -61,15 +45,7 @@ def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int
         "8",
         "--max-generations-per-connection",
         "1000",
-    ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("server did not start")
+    )
 
 
 async def run_load(port: int, streams: int, connections: int, seconds: float) -> dict:
@@ -140,8 +116,7 @@ def main() -> None:
                 try:
                     result = asyncio.run(run_load(port, streams, connections, args.seconds))
                 finally:
-                    proc.terminate()
-                    proc.wait(30)
+                    stop(proc)
                 rows.append(
                     {"streams": streams, "connections": connections, "time_scale": scale, "repeat": rep, **result}
                 )

@@ -14,47 +14,15 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import orjson
 from websockets.asyncio.client import connect
 
+from bench.servers import OUT, start_stallfree, stop
 from core.stats import percentile
-
-OUT = Path(__file__).parent / "results"
-
-
-def start(threads: int) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "warning",
-        "serve",
-        "--port",
-        str(port),
-        "--threads",
-        str(threads),
-    ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("server did not start")
 
 
 async def load(port: int, streams: int, tokens: int) -> dict:
@@ -95,13 +63,12 @@ def main() -> None:
     rows = []
     for rep in range(args.repeats):
         for threads in (1, 2):
-            proc, port = start(threads)
+            proc, port = start_stallfree("--threads", str(threads))
             try:
                 asyncio.run(load(port, 2, 8))  # warm-up
                 rows.append({"threads": threads, "repeat": rep, **asyncio.run(load(port, args.streams, args.tokens))})
             finally:
-                proc.terminate()
-                proc.wait(30)
+                stop(proc)
             print(json.dumps(rows[-1]), file=sys.stderr)
     command = ("python -m bench.serve_threads " + " ".join(sys.argv[1:])).strip()
     OUT.mkdir(parents=True, exist_ok=True)
