@@ -65,7 +65,6 @@ class Engine:
                 f"clamped to {cache_config.num_tokens}"
             )
             config.max_model_len = cache_config.num_tokens
-        self.cache_config = cache_config
         self.kv = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, chunk_limit)
         self.runner = runner

@@ -106,7 +106,6 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     reserved_blocks: int = 0
-    admit_seq: int = 0  # admission order among running requests (newest = largest)
     last_token_iteration: int = 0  # iteration that produced the latest token
     timeline: Timeline = field(init=False)
 

@@ -44,7 +44,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._iteration = 0
-        self._admitted = 0
         # recent iterations that ran prefill chunks: (iteration, ids of the requests chunked)
         self._prefill_log: deque[tuple[int, frozenset[str]]] = deque(maxlen=4096)
 
@@ -157,8 +156,6 @@ class Scheduler:
                 break  # head of line waits for KV room rather than being overtaken forever
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
-            self._admitted += 1
-            req.admit_seq = self._admitted
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
             admitted.append(req)

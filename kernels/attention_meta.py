@@ -25,7 +25,6 @@ class AttentionMeta:
     # host copies, so the torch reference never syncs with the device
     seq_lens_host: list[int] = field(default_factory=list)
     query_start_host: list[int] = field(default_factory=list)
-    max_seq_len: int = 0
     # derived once per iteration by the torch reference (see kernels.reference)
     decode_gather: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
@@ -62,5 +61,4 @@ def build_attention_meta(
         block_size=block_size,
         seq_lens_host=list(seq_lens),
         query_start_host=query_start,
-        max_seq_len=max(seq_lens, default=0),
     )
