@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 import time
 from collections.abc import Callable
@@ -99,16 +100,18 @@ class Result:
 
 class PromptMaker:
     """Prompts of a given token length for this tokenizer, each with a unique start
-    (so no prefix cache serves them)."""
+    (so no prefix cache serves them, not even from an earlier run with the same
+    seed: the seed fixes lengths and words, a per-instance nonce the start)."""
 
     def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
         self.tokenizer = tokenizer
         self.rng = random.Random(seed)
+        self.nonce = os.urandom(4).hex()
         self.n = 0
 
     def __call__(self, tokens: int) -> str:
         self.n += 1
-        words = [f"Request {self.n}-{self.rng.randrange(1 << 30)}:"]
+        words = [f"Request {self.nonce}-{self.n}:"]
         words += self.rng.choices(WORDS, k=tokens + 8)
         ids = self.tokenizer.encode(" ".join(words))[: max(1, tokens)]
         return self.tokenizer.decode(ids)

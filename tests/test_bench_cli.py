@@ -87,3 +87,16 @@ def test_unreachable_target_is_a_clear_error():
     out = bench("--target", "ws://127.0.0.1:9/v1/stream", "--sweep", "token_budget=128")
     assert out.returncode == 2
     assert "stallfree bench: error" in out.stderr
+
+
+def test_prompts_are_unique_across_runs_with_the_same_seed():
+    from core.gguf import GGUFFile
+    from core.loader import embedded_model_path
+    from core.tokenizer import Tokenizer
+    from gateway.loadgen import PromptMaker
+
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    a, b = PromptMaker(tok, seed=0), PromptMaker(tok, seed=0)
+    pa, pb = a(200), b(200)
+    assert tok.encode(pa)[:16] != tok.encode(pb)[:16]  # no shared first KV block
+    assert abs(len(tok.encode(pa)) - 200) <= 3
