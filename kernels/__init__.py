@@ -2,9 +2,11 @@
 
 The model runner calls only these functions. Each picks its implementation
 by the device of its first tensor: Triton kernels (``kernels.triton_ops``) on
-CUDA, the torch reference (``kernels.reference``) elsewhere. Both share one
-signature per op; tests run the Triton versions on CPU under
-``TRITON_INTERPRET=1`` against the references.
+CUDA, the C++ extension (``kernels.cpu_ops``, built by ``kernels.cpu_build``)
+on CPU, and the torch reference (``kernels.reference``) where neither is
+available. All share one signature per op; tests run the Triton versions on
+CPU under ``TRITON_INTERPRET=1`` and the C++ ones directly, against the
+references.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import cpu_build, reference
 from kernels.attention_meta import AttentionMeta, build_attention_meta
 from kernels.linear import Linear
 
@@ -30,12 +32,28 @@ def _triton() -> ModuleType | None:
     return triton_ops
 
 
+@cache
+def _cpu() -> ModuleType:
+    """The C++ kernels when they build and load here, else the reference."""
+    if cpu_build.status().backend != "native":
+        return reference
+    from kernels import cpu_ops
+
+    return cpu_ops
+
+
 def _impl(t: torch.Tensor) -> ModuleType:
     if t.is_cuda:
         triton_ops = _triton()
         if triton_ops is not None:
             return triton_ops
-    return reference
+        return reference
+    return _cpu()
+
+
+def cpu_backend() -> str:
+    """Which CPU kernels run in this process, for start-up logs and bench records."""
+    return str(cpu_build.status())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,6 +93,7 @@ __all__ = [
     "Linear",
     "add_rms_norm",
     "build_attention_meta",
+    "cpu_backend",
     "paged_attention",
     "rms_norm",
     "rope",

@@ -20,6 +20,7 @@ class AttentionMeta:
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor  # [S] int32: KV length after this step
     query_start: torch.Tensor  # [S + 1] int32: prefix sums of query lengths
+    positions: torch.Tensor  # [T] int64: position of each query token in its sequence
     num_decodes: int
     block_size: int
     # host copies, so the torch reference never syncs with the device
@@ -41,24 +42,34 @@ def build_attention_meta(
     block_size: int,
     device: torch.device,
 ) -> AttentionMeta:
-    """Metadata for sequences given in batch order (decodes first)."""
+    """Metadata for sequences given in batch order (decodes first).
+
+    Built once per iteration with whole-tensor ops: no Python loop over
+    tokens (a 2,000-token chunk would be 2,000 list appends)."""
+    num_seqs = len(block_tables)
     max_blocks = max((len(bt) for bt in block_tables), default=0) or 1
-    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-    for i, bt in enumerate(block_tables):
-        table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
-    query_start = [0]
-    slots = []
-    for bt, seq_len, q_len in zip(block_tables, seq_lens, query_lens, strict=True):
-        query_start.append(query_start[-1] + q_len)
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(bt[pos // block_size] * block_size + pos % block_size)
+    flat = [b for bt in block_tables for b in bt]
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    if flat:
+        counts = torch.tensor([len(bt) for bt in block_tables])
+        rows = torch.repeat_interleave(torch.arange(num_seqs), counts)
+        cols = torch.arange(len(flat)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        table[rows, cols] = torch.tensor(flat, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    query_start = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=query_start[1:])
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+    positions = torch.arange(seq_of_row.numel()) - query_start[seq_of_row] + (lens - q_lens)[seq_of_row]
+    slots = table[seq_of_row, positions // block_size].long() * block_size + positions % block_size
     return AttentionMeta(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=slots.to(device),
         block_tables=table.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=lens.to(device),
+        query_start=query_start.to(device),
+        positions=positions.to(device),
         num_decodes=num_decodes,
         block_size=block_size,
         seq_lens_host=list(seq_lens),
-        query_start_host=query_start,
+        query_start_host=query_start.tolist(),
     )

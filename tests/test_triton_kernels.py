@@ -100,10 +100,11 @@ def test_paged_attention_ragged_mixed_batch(dtype):
     assert close(out, ref, dtype)
 
 
-def test_dispatch_uses_the_reference_on_cpu():
+def test_dispatch_never_picks_triton_for_cpu_tensors():
     import kernels
 
-    assert kernels._impl(torch.zeros(1)) is reference
+    assert kernels._impl(torch.zeros(1)) is kernels._cpu()
+    assert kernels._impl(torch.zeros(1)) is not tri
 
 
 def test_gpu_script_is_ready_and_refuses_without_cuda(monkeypatch):

@@ -1,0 +1,182 @@
+"""Where an iteration's time goes, torch reference kernels vs the native C++ ones,
+side by side in one process on the embedded model.
+
+    .venv/bin/python -m bench.engine_profile [--repeats 5] [--threads 1] [--dtype auto]
+
+Scenarios (one forward pass each, random KV in a paged cache):
+decode at 8 and 32 streams (512-token contexts), and a 2,000-token prompt in
+4 chunks of 500 at budget 512 with 8 decodes riding along (the 4 iterations
+summed: the issue's profile). Backends alternate run by run (A B A B ...).
+Each op the model calls through ``kernels`` is timed (attention, element-wise,
+KV write, the linear layers); the rest is embedding, lm_head sampling prep and
+Python. Writes bench/results/engine_profile-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+import kernels
+from bench.record import dated, describe, machine
+from core.loader import load_model
+from core.model import LlamaModel
+from core.model_runner import resolve_dtype
+from kernels import build_attention_meta, reference
+
+CPU = torch.device("cpu")
+BLOCK = 16
+OPS = {  # kernels function -> breakdown category
+    "paged_attention": "attention",
+    "rms_norm": "element-wise",
+    "add_rms_norm": "element-wise",
+    "rope": "element-wise",
+    "silu_mul": "element-wise",
+    "write_kv": "kv write",
+}
+
+
+class Profile:
+    """Wraps the kernels entry points and Linear to add up time per category."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._saved: list[tuple[object, str, Callable]] = []
+
+    def _wrap(self, owner: object, name: str, category: str) -> None:
+        fn = getattr(owner, name)
+        self._saved.append((owner, name, fn))
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[category] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> Profile:
+        for name, category in OPS.items():
+            self._wrap(kernels, name, category)
+        self._wrap(kernels.Linear, "__call__", "linear (GEMM)")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+
+
+def scenario(decodes: int, ctx: int, chunks: list[tuple[int, int]]) -> list[tuple]:
+    """One (tables, seq_lens, query_lens, num_decodes) per iteration; chunks are (prefix, tokens)."""
+    iterations = []
+    for prefix, n in chunks or [(0, 0)]:
+        tables, seq_lens, q_lens, nxt = [], [], [], 0
+        for _ in range(decodes):
+            nb = -(-(ctx + 1) // BLOCK)
+            tables.append(list(range(nxt, nxt + nb)))
+            nxt += nb
+            seq_lens.append(ctx + 1)
+            q_lens.append(1)
+        if n:
+            nb = -(-(prefix + n) // BLOCK)
+            tables.append(list(range(nxt, nxt + nb)))
+            seq_lens.append(prefix + n)
+            q_lens.append(n)
+        iterations.append((tables, seq_lens, q_lens, decodes))
+    return iterations
+
+
+SCENARIOS = {
+    "decode, 8 streams": scenario(8, 512, []),
+    "decode, 32 streams": scenario(32, 512, []),
+    "2,000-token prompt in 4 chunks + 8 decodes": scenario(8, 512, [(i * 500, 500) for i in range(4)]),
+}
+
+
+def run_once(model: LlamaModel, caches: tuple[torch.Tensor, torch.Tensor], iterations: list[tuple]) -> float:
+    start = time.perf_counter()
+    for tables, seq_lens, q_lens, decodes in iterations:
+        meta = build_attention_meta(tables, seq_lens, q_lens, decodes, BLOCK, CPU)
+        ids = torch.randint(0, model.config.vocab_size, (sum(q_lens),))
+        rows = torch.tensor([sum(q_lens[: i + 1]) - 1 for i in range(len(q_lens))])
+        model.forward(ids, meta.positions, meta, *caches, rows)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, CPU)
+    loaded = load_model(None)
+    model = LlamaModel(loaded.config, loaded.weights, dtype, CPU)
+    c = loaded.config
+    shape = (c.num_layers, 1200, BLOCK, c.num_kv_heads, c.head_dim)
+    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    native = kernels._cpu()
+    backends = {"reference": reference, "native": native}
+    if native is reference:
+        sys.exit(f"the native kernels are not available here: {kernels.cpu_backend()}")
+    results: dict[str, dict[str, list]] = {s: {b: [] for b in backends} for s in SCENARIOS}
+    for rep in range(args.repeats + 1):  # the first round warms up and is dropped
+        for name, iterations in SCENARIOS.items():
+            for backend, module in backends.items():
+                kernels._cpu = lambda module=module: module
+                with Profile() as prof:
+                    total = run_once(model, caches, iterations)
+                if rep:
+                    results[name][backend].append({"total_s": total, **prof.totals})
+        print(f"repeat {rep}/{args.repeats} done", file=sys.stderr, flush=True)
+    m = machine()
+    command = f"python -m bench.engine_profile {' '.join(sys.argv[1:])}".strip()
+    doc = {"command": command, "machine": m, "dtype": str(dtype), "threads": args.threads, "results": results}
+    base = dated("engine_profile")
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    lines = [
+        f"# Where an iteration's time goes: torch reference vs native CPU kernels ({c.name})",
+        "",
+        f"`{command}` on {describe(m)}; {str(dtype).removeprefix('torch.')}, {args.threads} thread(s). "
+        f"Medians of {args.repeats} alternating runs [min–max]; speed-up = reference / native.",
+        "",
+        "| scenario | reference ms | native ms | speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, by in results.items():
+        ref, nat = ([r["total_s"] * 1e3 for r in by[b]] for b in backends)
+        ratios = [a / b for a, b in zip(ref, nat, strict=True)]
+        lines.append(
+            f"| {name} | {statistics.median(ref):.1f} [{min(ref):.1f}–{max(ref):.1f}] "
+            f"| {statistics.median(nat):.1f} [{min(nat):.1f}–{max(nat):.1f}] "
+            f"| {statistics.median(ratios):.2f}× [{min(ratios):.2f}–{max(ratios):.2f}] |"
+        )
+    categories = [*dict.fromkeys(OPS.values()), "linear (GEMM)"]
+    lines += ["", "Share of the iteration (medians):", ""]
+    lines.append("| scenario | backend | " + " | ".join(categories) + " | rest |")
+    lines.append("|---|---|" + "---:|" * (len(categories) + 1))
+    for name, by in results.items():
+        for backend in backends:
+            runs = by[backend]
+            total = statistics.median(r["total_s"] for r in runs)
+            shares = [statistics.median(r.get(cat, 0.0) for r in runs) / total for cat in categories]
+            lines.append(
+                f"| {name} | {backend} | "
+                + " | ".join(f"{s * 100:.0f}%" for s in shares)
+                + f" | {max(0.0, 1 - sum(shares)) * 100:.0f}% |"
+            )
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

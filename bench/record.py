@@ -1,0 +1,51 @@
+"""Where a benchmark writes its result: a new dated file, never over an old one,
+with the facts about the machine that made it (CPU, instruction set, AMX)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from pathlib import Path
+
+from kernels import cpu_backend, cpu_build
+
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, object]:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "isa": cpu_build.detect_isa(),
+        "amx": cpu_build.has_amx(),
+        "avx512_bf16": "avx512_bf16" in cpu_build.cpu_flags(),
+        "cpu_kernels": cpu_backend(),
+    }
+
+
+def describe(m: dict[str, object]) -> str:
+    bf16 = "AMX" if m["amx"] else ("AVX-512 BF16" if m["avx512_bf16"] else "no bf16 instructions")
+    return f"{m['cpu']}, {m['cores']} cores, {m['isa']} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
+
+
+def dated(stem: str) -> Path:
+    """bench/results/<stem>-<YYYY-MM-DD>[-N], the first name no file of today
+    has taken; add the suffix (.json, .md, .png) to it."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    day = dt.date.today().isoformat()
+    n = 1
+    while any(OUT.glob(f"{stem}-{day}{f'-{n}' if n > 1 else ''}.*")):
+        n += 1
+    return OUT / f"{stem}-{day}{f'-{n}' if n > 1 else ''}"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,105 @@
+"""Build and load the C++ CPU kernels (``kernels/csrc``), once per machine.
+
+The instruction set is detected at run time from ``/proc/cpuinfo`` and picks
+the compiler flags; the build is cached per instruction set under
+``~/.cache/stallfree/kernels`` (``STALLFREE_KERNEL_CACHE`` overrides), so a
+home directory shared by an AVX-512 and an AVX2 machine holds one build for
+each. Without a compiler, ninja or a working build, :func:`load` returns
+None with the reason, and the dispatch falls back to the torch reference.
+``STALLFREE_CPU_KERNELS=reference`` forces that fallback. ``make setup``
+builds it, so the first request does not wait for the compiler (~45 s here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("stallfree.kernels")
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attention.cpp", "elementwise.cpp")]
+
+# instruction set -> (flags it needs in /proc/cpuinfo, compiler flags); best first
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+    ),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "generic": ((), ()),
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def detect_isa(flags: set[str] | None = None) -> str:
+    flags = cpu_flags() if flags is None else flags
+    return next(name for name, (needs, _) in ISAS.items() if all(f in flags for f in needs))
+
+
+def has_amx(flags: set[str] | None = None) -> bool:
+    """AMX tiles for bf16 (used by oneDNN's GEMMs; recorded beside results)."""
+    flags = cpu_flags() if flags is None else flags
+    return {"amx_bf16", "amx_tile"} <= flags
+
+
+def cache_dir(isa: str) -> Path:
+    root = os.environ.get("STALLFREE_KERNEL_CACHE") or Path.home() / ".cache" / "stallfree" / "kernels"
+    return Path(root) / isa
+
+
+class Status:
+    """What the CPU dispatch runs: ``native`` with its ISA, or ``reference`` and why."""
+
+    def __init__(self, backend: str, isa: str, reason: str = "") -> None:
+        self.backend, self.isa, self.reason = backend, isa, reason
+
+    def __str__(self) -> str:
+        return f"native-{self.isa}" if self.backend == "native" else f"reference ({self.reason})"
+
+
+@cache
+def status() -> Status:
+    """Compile (the first time on this machine) and load the extension, once per process."""
+    isa = detect_isa()
+    if os.environ.get("STALLFREE_CPU_KERNELS", "native") == "reference":
+        return Status("reference", isa, "STALLFREE_CPU_KERNELS=reference")
+    # the venv's ninja is on no PATH when its python runs without activation
+    bin_dir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        return _fallback(isa, f"{' and '.join(missing)} not found")
+    try:
+        from torch.utils.cpp_extension import load
+
+        directory = cache_dir(isa)
+        directory.mkdir(parents=True, exist_ok=True)
+        load(
+            name=f"stallfree_cpu_{isa}",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-std=c++17", *ISAS[isa][1]],
+            build_directory=str(directory),
+            is_python_module=False,
+        )
+    except Exception as exc:  # a failed build must not take the engine down: the reference still works
+        return _fallback(isa, f"build failed: {str(exc).strip().splitlines()[-1][:200]}")
+    return Status("native", isa)
+
+
+def _fallback(isa: str, reason: str) -> Status:
+    log.warning("CPU kernels: %s; using the torch reference", reason)
+    return Status("reference", isa, reason)

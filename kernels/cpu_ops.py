@@ -1,0 +1,71 @@
+"""The C++ CPU kernels (``kernels/csrc``) behind the reference's signatures.
+
+Each op falls back to ``kernels.reference`` for shapes the extension does not
+cover (a width that is not a multiple of the SIMD width, an unsupported head
+size or dtype), so callers never need to know which one ran. The native ops
+may update their inputs in place where the reference returns new tensors
+(the residual of ``add_rms_norm``, q and k of ``rope``); callers use only
+the returned tensors, which is correct for both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.attention_meta import AttentionMeta
+
+write_kv = reference.write_kv  # one index_copy_ per cache: already a single pass
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+_LANES = 16  # widest SIMD width (AVX-512 floats); sizes divisible by it suit every build
+
+ops = torch.ops.stallfree
+
+
+def _rows_ok(x: torch.Tensor, multiple: int = _LANES) -> bool:
+    return x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1 and x.shape[1] % multiple == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float().contiguous()
+    if not _rows_ok(xf):
+        return reference.rms_norm(x, weight, eps)
+    if xf is x:  # the op writes its residual argument; never the caller's tensor
+        xf = xf.clone()
+    return ops.add_rms_norm(xf, xf, weight, eps, False)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual (float32) += x in place; returns (rms_norm(residual), residual)."""
+    if not (_rows_ok(x) and residual.dtype == torch.float32 and residual.is_contiguous()):
+        return reference.add_rms_norm(x, residual, weight, eps)
+    return ops.add_rms_norm(x, residual, weight, eps, True), residual
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    if not _rows_ok(x, 2 * _LANES):
+        return reference.silu_mul(x)
+    return ops.silu_mul(x)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q and k (views of the QKV projection)."""
+    d = q.shape[-1]
+    if q.dtype not in _DTYPES or d % (2 * _LANES) or q.stride(1) != d or k.stride(1) != d or q.stride(2) != 1:
+        return reference.rope(q, k, positions, cos_sin)
+    ops.rope(q, k, positions.contiguous(), cos_sin)
+    return q, k
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float
+) -> torch.Tensor:
+    if q.dtype not in _DTYPES or q.shape[-1] not in _HEAD_DIMS or q.shape[1] // k_cache.shape[2] > 16:
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, scale)

@@ -1,0 +1,269 @@
+// Paged attention that reads the KV cache in place: no gather copy, no mask
+// tensor. One work item is (sequence, KV head, tile of query rows); the query
+// heads that share the KV head (GQA) are processed together, so each K/V row
+// is loaded once for all of them. Softmax is online (flash style): running
+// max and sum per query vector, one pass over the sequence's blocks.
+//
+// Two score loops: a decode row (one query token) takes dot products straight
+// from the cache rows; a prefill tile (many query vectors) packs each KV tile
+// transposed into a small float buffer and multiplies as an outer product,
+// so the inner loop is a vector FMA over tokens with no horizontal sums.
+// Causality is applied only within the chunk: query row i of a chunk with
+// prefix p sees keys [0, p + i].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace sf {
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int TK = 64;          // KV tokens per packed tile (prefill)
+constexpr int TILE_VECS = 96;   // query vectors (rows x group) per prefill work item
+constexpr int MB = 8 * W / TK;  // query vectors per score micro-kernel: 8 accumulator registers
+
+struct Cache {
+  int64_t block_stride, token_stride;  // elements
+  int block_size;
+  const int32_t* table;  // this sequence's block ids
+  int64_t head_offset;   // kv_head * D
+
+  // Offsets (elements) of the KV rows of tokens [t0, t0 + n), walking the block table.
+  void offsets(int t0, int n, int64_t* off) const {
+    int b = t0 / block_size, i = t0 % block_size;
+    for (int t = 0; t < n; ++t) {
+      off[t] = table[b] * block_stride + i * token_stride + head_offset;
+      if (++i == block_size) i = 0, ++b;
+    }
+  }
+};
+
+// Running softmax state of one query vector.
+template <int D>
+struct Acc {
+  float max = NEG_INF, sum = 0.f;
+  vf o[D / W] = {};
+
+  // Fold in scores s[0, n) (n a multiple of W; masked scores -inf) of keys
+  // whose values are rows v(t); every row v(0..n) must be finite.
+  template <typename V>
+  void absorb(float* s, int n, V v) {
+    vf mv = splat(max);
+    for (int t = 0; t < n; t += W) mv = vmax(mv, load(s + t));
+    const float m = hmax(mv);
+    if (m == NEG_INF) return;
+    const float corr = std::exp(max - m);
+    max = m;
+    vf add{};
+    for (int t = 0; t < n; t += W) {
+      vf x = load(s + t);
+      vf p = x == NEG_INF ? vf{} : vexp(x - m);
+      store(s + t, p);
+      add += p;
+    }
+    sum = sum * corr + hsum(add);
+    vf acc[D / W];  // in registers for the whole loop, not through memory per token
+    for (int i = 0; i < D / W; ++i) acc[i] = o[i] * corr;
+    for (int t = 0; t < n; ++t) {
+      const vf p = splat(s[t]);
+      const auto* row = v(t);
+      for (int i = 0; i < D / W; ++i) acc[i] += p * load(row + i * W);
+    }
+    for (int i = 0; i < D / W; ++i) o[i] = acc[i];
+  }
+
+  template <typename T>
+  void write(T* out) const {
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int i = 0; i < D / W; ++i) store(out + i * W, o[i] * inv);
+  }
+};
+
+// One decode token: G query vectors against the whole sequence. Scores are
+// dot products straight from the cache rows, W tokens at a time, their
+// horizontal sums done together by one transpose-and-add (reduce_lanes).
+template <typename T, int D>
+void attend_decode(const T* q, int64_t q_head_stride, int G, const T* kc, const T* vc, const Cache& c, int seq_len,
+                   float scale, T* out, int64_t out_head_stride) {
+  constexpr int MAXG = 16;
+  vf qv[MAXG][D / W];
+  Acc<D> acc[MAXG];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < D / W; ++i) qv[g][i] = load(q + g * q_head_stride + i * W) * scale;
+  alignas(64) float s[TK];
+  int64_t off[TK];
+  for (int t0 = 0; t0 < seq_len; t0 += TK) {
+    const int n = std::min(TK, seq_len - t0);
+    const int padded = (n + W - 1) / W * W;
+    c.offsets(t0, n, off);
+    std::fill(off + n, off + padded, off[n - 1]);  // valid rows to load; their scores are masked
+    for (int g = 0; g < G; ++g) {
+      for (int j0 = 0; j0 < padded; j0 += W) {
+        vf d[W];
+        for (int j = 0; j < W; ++j) {
+          const T* k = kc + off[j0 + j];
+          vf x = qv[g][0] * load(k);
+          for (int i = 1; i < D / W; ++i) x += qv[g][i] * load(k + i * W);
+          d[j] = x;
+        }
+        store(s + j0, reduce_lanes(d));
+      }
+      std::fill(s + n, s + padded, NEG_INF);
+      acc[g].absorb(s, padded, [&](int t) { return vc + off[t]; });
+    }
+  }
+  for (int g = 0; g < G; ++g) acc[g].write(out + g * out_head_stride);
+}
+
+// Scores of R query vectors (rows of q, D apart) against a packed, transposed
+// KV tile kt[D][TK]: an outer product over d, R x TK/W accumulators in registers.
+template <int D, int R>
+inline void scores(const float* q, const float (*kt)[TK], vf (*out)[TK / W]) {
+  vf acc[R][TK / W] = {};
+  for (int d = 0; d < D; ++d) {
+    vf k[TK / W];
+    for (int j = 0; j < TK / W; ++j) k[j] = load(&kt[d][j * W]);
+    for (int r = 0; r < R; ++r) {
+      const vf qd = splat(q[r * D + d]);
+      for (int j = 0; j < TK / W; ++j) acc[r][j] += qd * k[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < TK / W; ++j) out[r][j] = acc[r][j];
+}
+
+// A tile of query rows [r0, r1) of one prefill chunk, all G heads of one KV head.
+template <typename T, int D>
+void attend_tile(const T* q, int64_t q_row_stride, int G, int rows, int first_pos, const T* kc, const T* vc,
+                 const Cache& c, float scale, T* out, int64_t out_row_stride) {
+  const int M = rows * G;
+  std::vector<float> qbuf(static_cast<size_t>(M) * D);
+  std::vector<Acc<D>> acc(M);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < D / W; ++i)
+        store(&qbuf[(r * G + g) * D + i * W], load(q + r * q_row_stride + g * D + i * W) * scale);
+  alignas(64) float kt[D][TK];
+  alignas(64) float vbuf[TK][D] = {};  // rows past a tile's end stay finite: their p is 0
+  alignas(64) float s[MB][TK];
+  int64_t off[TK];
+  const int kv_end = first_pos + rows;  // keys the last row sees
+  for (int t0 = 0; t0 < kv_end; t0 += TK) {
+    const int n = std::min(TK, kv_end - t0);
+    c.offsets(t0, n, off);
+    for (int t = 0; t < n; ++t) {
+      const T* k = kc + off[t];
+      const T* v = vc + off[t];
+      for (int d = 0; d < D; ++d) kt[d][t] = to_float(k[d]);
+      for (int i = 0; i < D / W; ++i) store(&vbuf[t][i * W], load(v + i * W));
+    }
+    for (int t = n; t < TK; ++t)
+      for (int d = 0; d < D; ++d) kt[d][t] = 0.f;
+    // rows whose position is below t0 see nothing of this tile
+    const int r_begin = std::max(0, t0 - first_pos);
+    for (int m0 = r_begin * G; m0 < M; m0 += MB) {
+      const int mb = std::min(MB, M - m0);
+      vf sv[MB][TK / W];
+      if (mb == MB) {
+        scores<D, MB>(&qbuf[m0 * D], kt, sv);
+      } else {
+        for (int b = 0; b < mb; ++b) scores<D, 1>(&qbuf[(m0 + b) * D], kt, &sv[b]);
+      }
+      for (int b = 0; b < mb; ++b) {
+        const int m = m0 + b;
+        const int limit = std::min(n, first_pos + m / G - t0 + 1);  // causal: keys <= own position
+        for (int j = 0; j < TK / W; ++j) store(&s[b][j * W], sv[b][j]);
+        std::fill(s[b] + limit, s[b] + TK, NEG_INF);
+        acc[m].absorb(s[b], (limit + W - 1) / W * W, [&](int t) { return &vbuf[t][0]; });
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) acc[r * G + g].write(out + r * out_row_stride + g * D);
+}
+
+struct Work {
+  int seq, kv_head, row0, rows;
+};
+
+template <typename T, int D>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+         const at::Tensor& seq_lens, const at::Tensor& query_start, double scale, at::Tensor& out) {
+  const int S = seq_lens.size(0);
+  const int H = q.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int rows_per_tile = std::max(1, TILE_VECS / G);
+  std::vector<Work> work;
+  for (int s = 0; s < S; ++s)
+    for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile)
+      for (int h = 0; h < KVH; ++h) work.push_back({s, h, r, std::min(rows_per_tile, qs[s + 1] - r)});
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int bs = k_cache.size(1);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Work& w = work[i];
+      const Cache c{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
+                    static_cast<int64_t>(w.kv_head) * D};
+      const int q_len = qs[w.seq + 1] - qs[w.seq];
+      const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
+      const T* qw = qp + w.row0 * q_row + head0 * q_head;
+      T* ow = op + w.row0 * o_row + head0 * D;
+      if (q_len == 1) {
+        attend_decode<T, D>(qw, q_head, G, kc, vc, c, lens[w.seq], sc, ow, D);
+      } else {
+        const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
+        attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, heads, dim], rows strided");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k/v caches must be contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt && block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  query_start.is_contiguous(),
+              "metadata must be int32, rows contiguous");
+  const int H = q.size(1), KVH = k_cache.size(2), D = q.size(2);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0 && H / KVH <= 16, "heads must be a multiple (<= 16) of kv_heads");
+  at::Tensor out = at::empty({q.size(0), H, D}, q.options());
+#define SF_CASE(T, DIM) \
+  if (D == DIM) return run<T, DIM>(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, out), out;
+#define SF_DIMS(T) SF_CASE(T, 16) SF_CASE(T, 32) SF_CASE(T, 64) SF_CASE(T, 128) SF_CASE(T, 256)
+  if (q.scalar_type() == at::kFloat) {
+    SF_DIMS(float)
+  } else if (q.scalar_type() == at::kBFloat16) {
+    SF_DIMS(c10::BFloat16)
+  }
+#undef SF_DIMS
+#undef SF_CASE
+  TORCH_CHECK(false, "paged_attention: unsupported dtype/head_dim ", q.scalar_type(), "/", D);
+}
+
+}  // namespace
+}  // namespace sf
+
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &sf::paged_attention);
+}

@@ -1,0 +1,114 @@
+// Portable SIMD for the CPU kernels: GCC vector extensions, so one source
+// compiles to AVX2 or AVX-512 by the -m flags the build picks at run time.
+// All arithmetic is float32; bf16 is only a storage format (loads widen by a
+// shift, stores round to nearest even).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace sf {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+
+inline vf splat(float x) {  // one broadcast (`vf{} + x` costs an add; a lane loop, inserts)
+  const vf v{x};
+  return __builtin_shuffle(v, vi{});
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf load(const c10::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(c10::BFloat16* p, vf v) {
+  vu u = (vu)v;
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  vh h = __builtin_convertvector(u >> 16, vh);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// out[j] = hsum(d[j]) for W vectors: log2(W) rounds of pairwise
+// shuffle-and-add, ~2 instructions a sum instead of a W-lane scalar loop.
+inline vf reduce_lanes(vf* d) {
+#if defined(__AVX512F__)
+  const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi e2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi e3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi masks[] = {e0, e1, e2, e3};
+#else
+  const vi e0 = {0, 8, 2, 10, 4, 12, 6, 14};
+  const vi e1 = {0, 1, 8, 9, 4, 5, 12, 13};
+  const vi e2 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const vi masks[] = {e0, e1, e2};
+#endif
+  int n = W, g = 1;
+  for (const vi& e : masks) {  // after round r, d[i] holds 2^(r+1) tokens' partial sums
+    for (int i = 0; i < n / 2; ++i)
+      d[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], e) + __builtin_shuffle(d[2 * i], d[2 * i + 1], e + g);
+    n /= 2, g *= 2;
+  }
+  return d[0];
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+
+// exp(x) for x in float range: 2^n * 2^f, n = round(x log2 e), |f| <= 1/2,
+// 2^f by its degree-6 Taylor series (relative error ~1e-7). Inputs are
+// clamped to [-87, 88], so exp(-inf) gives ~1e-38, not 0: callers zero
+// masked entries themselves.
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, splat(-87.f)), splat(88.f));
+  vf t = x * 1.44269504088896341f;
+  vf r = (t + 12582912.f) - 12582912.f;  // round to nearest integer
+  vf f = (t - r) * 0.693147180559945309f;
+  vf p = splat(1.f / 720);
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  vi n = __builtin_convertvector(r, vi);
+  return p * (vf)((n + 127) << 23);
+}
+
+}  // namespace sf

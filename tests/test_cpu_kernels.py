@@ -1,0 +1,187 @@
+"""The C++ CPU kernels (kernels/csrc) against the torch reference, the build, and the fallback."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from core.loader import load_model
+from core.model import rope_cos_sin
+from core.model_config import ModelConfig
+from core.model_runner import ModelRunner
+from kernels import build_attention_meta, cpu_build, reference
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The native ops; the build must succeed wherever a C++ compiler exists (CI included)."""
+    status = cpu_build.status()
+    assert shutil.which("c++"), "no C++ compiler: the project's set-up installs gcc"
+    assert status.backend == "native", f"the CPU kernels did not build: {status}"
+    from kernels import cpu_ops
+
+    return cpu_ops
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    return torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@st.composite
+def batches(draw):
+    """A ragged mixed batch: decodes first, then chunks with and without a cached
+    prefix (1-token chunks included), scattered blocks, partial last blocks."""
+    kv_heads = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    dim = draw(st.sampled_from([16, 32, 64, 128]))
+    block_size = draw(st.sampled_from([1, 4, 16, 32]))
+    decodes = draw(st.lists(st.integers(1, 300), max_size=5))  # context lengths
+    chunks = draw(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 130)), max_size=3))  # (prefix, new)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return kv_heads, group, dim, block_size, decodes, chunks, dtype
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.integers(0, 2**16))
+def test_paged_attention_matches_the_reference(ops, batch, seed):
+    kv_heads, group, dim, bs, decodes, chunks, dtype = batch
+    seqs = [(n - 1, 1) for n in decodes] + chunks
+    if not seqs:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-(p + n) // bs) for p, n in seqs]
+    num_blocks = sum(blocks_needed) + 3
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(nb)] for nb in blocks_needed]
+    meta = build_attention_meta(tables, [p + n for p, n in seqs], [n for _, n in seqs], len(decodes), bs, CPU)
+    q = torch.randn(sum(n for _, n in seqs), kv_heads * group, dim, generator=gen).to(dtype)
+    out = ops.paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
+    ref = reference.paged_attention(q, k_cache, v_cache, meta, dim**-0.5)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert close(out, ref, dtype)
+
+
+def test_paged_attention_reads_q_rows_strided_like_the_qkv_split(ops):
+    torch.manual_seed(1)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    qkv = torch.randn(40, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(40, heads, dim)
+    k_cache, v_cache = torch.randn(8, bs, kv_heads, dim), torch.randn(8, bs, kv_heads, dim)
+    meta = build_attention_meta([[3, 1, 5], [0, 7]], [40, 20], [30, 10], 0, bs, CPU)
+    out = ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert close(out, reference.paged_attention(q.contiguous(), k_cache, v_cache, meta, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_ops_match_the_reference(ops, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(7, 576, dtype=dtype)
+    residual = torch.randn(7, 576)
+    w = (1 + 0.1 * torch.randn(576)).to(dtype)
+    assert close(ops.rms_norm(residual, w, 1e-5), reference.rms_norm(residual, w, 1e-5), dtype)
+    want_out, want_res = reference.add_rms_norm(x, residual, w, 1e-5)
+    got_out, got_res = ops.add_rms_norm(x, residual.clone(), w, 1e-5)
+    assert close(got_out, want_out, dtype) and torch.allclose(got_res, want_res)
+    gate_up = torch.randn(7, 2 * 1536, dtype=dtype) * 4
+    assert close(ops.silu_mul(gate_up), reference.silu_mul(gate_up), dtype)
+    cos_sin = rope_cos_sin(dataclasses.replace(ModelConfig.tiny(), head_dim=64), CPU)
+    qkv = torch.randn(7, (9 + 2 * 3) * 64, dtype=dtype)
+    q, k = qkv[:, : 9 * 64].view(7, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(7, 3, 64)
+    positions = torch.tensor([0, 1, 5, 17, 300, 301, 4000])
+    want_q, want_k = reference.rope(q, k, positions, cos_sin)
+    got_q, got_k = ops.rope(q, k, positions, cos_sin)
+    assert close(got_q, want_q, dtype) and close(got_k, want_k, dtype)
+
+
+def test_rms_norm_leaves_its_input_alone(ops):
+    x = torch.randn(3, 64)
+    before = x.clone()
+    ops.rms_norm(x, torch.ones(64), 1e-5)
+    assert torch.equal(x, before)
+
+
+def test_unsupported_shapes_fall_back_to_the_reference(ops):
+    x = torch.randn(3, 40)  # not a multiple of the SIMD width
+    w = torch.ones(40)
+    assert torch.allclose(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+    assert torch.allclose(ops.silu_mul(x), reference.silu_mul(x))
+
+
+def test_dispatch_uses_the_native_kernels_on_cpu(ops):
+    assert kernels._impl(torch.zeros(1)) is ops
+    assert kernels.cpu_backend().startswith("native-")
+
+
+def _backend_in_subprocess(env: dict[str, str]) -> str:
+    code = "import kernels, torch; print(kernels.cpu_backend()); print(kernels._impl(torch.zeros(1)).__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120, check=True
+    )
+    return out.stdout + out.stderr
+
+
+def test_fallback_can_be_forced():
+    out = _backend_in_subprocess({"STALLFREE_CPU_KERNELS": "reference"})
+    assert "reference (STALLFREE_CPU_KERNELS=reference)" in out
+    assert "kernels.reference" in out
+
+
+def test_missing_compiler_falls_back_with_a_log_line(tmp_path):
+    """No c++ on PATH (and an empty build cache): the reference runs and a warning says why."""
+    out = _backend_in_subprocess({"PATH": str(tmp_path), "STALLFREE_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert "c++ not found; using the torch reference" in out
+    assert "kernels.reference" in out
+
+
+def test_isa_detection_picks_the_best_available():
+    assert cpu_build.detect_isa({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}) == "avx512"
+    assert cpu_build.detect_isa({"avx2", "fma", "f16c"}) == "avx2"
+    assert cpu_build.detect_isa(set()) == "generic"
+    assert cpu_build.has_amx({"amx_bf16", "amx_tile"}) and not cpu_build.has_amx({"avx512_bf16"})
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model(None)
+
+
+def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    from core.config import CacheConfig, SchedulerConfig
+    from core.engine import Engine
+    from core.request import Request, SamplingParams
+
+    engine = Engine(SchedulerConfig(token_budget=64, max_model_len=1024), CacheConfig(128, 16), runner)
+    req = Request("g", prompt, SamplingParams(max_tokens=steps, ignore_eos=True), 0)
+    engine.add_request(req)
+    while engine.has_work:
+        engine.step()
+    return list(req.output_token_ids)
+
+
+def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm, monkeypatch):
+    """The embedded SmolLM2 in float32, chunked (budget 64): the native kernels and
+    the torch reference produce the same greedy tokens on a fixed prompt set."""
+    runner = ModelRunner(smollm, 128, 16, torch.float32, CPU)
+    prompts = [
+        smollm.tokenizer.encode("The capital of France is"),
+        smollm.tokenizer.encode("def fibonacci(n):\n    " * 12),
+        smollm.tokenizer.encode("Once upon a time, in a land far away, " * 10),
+    ]
+    native_out = [_greedy(runner, p, 16) for p in prompts]
+    monkeypatch.setattr(kernels, "_cpu", lambda: reference)
+    reference_out = [_greedy(runner, p, 16) for p in prompts]
+    assert native_out == reference_out
