@@ -6,7 +6,7 @@ and what does chunking do to the decoders meanwhile?
 
 Starts `stallfree serve` (embedded model, one torch thread, budget 512) and
 alternates chunking stall_free / none through /api/config (A B A B).
-Writes bench/results/burst.{json,md}.
+Writes a new bench/results/burst-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import sys
 
 import httpx
 
-from bench.servers import OUT, start_stallfree, stop
+from bench.record import dated
+from bench.servers import start_stallfree, stop
 from core.gguf import GGUFFile
 from core.loader import embedded_model_path
 from core.tokenizer import Tokenizer
@@ -65,7 +66,8 @@ def main() -> None:
     finally:
         stop(server)
     command = ("python -m bench.burst " + " ".join(sys.argv[1:])).strip()
-    (OUT / "burst.json").write_text(json.dumps({"command": command, "args": vars(args), "rows": rows}, indent=2))
+    base = dated("burst")
+    base.with_suffix(".json").write_text(json.dumps({"command": command, "args": vars(args), "rows": rows}, indent=2))
     lines = [
         f"# Burst: {args.prompts} prompts of {args.tokens} tokens at once, {args.decoders} users decoding "
         "(embedded SmolLM2, 1 thread, budget 512)",
@@ -82,7 +84,7 @@ def main() -> None:
             f"| {mode} | {m['first_ttft_ms']:.0f} | {m['last_ttft_ms']:.0f} | {m['decoder_itl_p50_ms']:.0f} "
             f"| {m['decoder_itl_p99_ms']:.0f} | {m['decoder_max_gap_ms']:.0f} |"
         )
-    (OUT / "burst.md").write_text("\n".join(lines) + "\n")
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

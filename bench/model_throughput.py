@@ -5,7 +5,7 @@ prefill tokens/s, and the per-iteration Python overhead.
 
 Thread counts are interleaved within each repeat (A B A B ...), so slow
 phases of this shared machine hit every configuration alike; medians over the
-repeats are reported. Writes bench/results/model_throughput.{json,md}.
+repeats are reported. Writes a new bench/results/model_throughput-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.record import dated
 from core.build import ModelSettings, build_engine
 from core.config import SchedulerConfig
 from core.request import Request, SamplingParams
 from tests.simkit import tokens
-
-OUT = Path(__file__).parent / "results"
 
 
 class Timer:
@@ -92,7 +90,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per decode stream")
     ap.add_argument("--steps", type=int, default=24, help="decode iterations measured per run")
     ap.add_argument("--dtypes", default="auto", help="comma-separated, e.g. bfloat16,float32")
-    ap.add_argument("--out", default="model_throughput", help="result file name under bench/results/")
+    ap.add_argument("--out", default="model_throughput", help="result file stem under bench/results/ (dated)")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     streams = [int(s) for s in args.streams.split(",")]
@@ -122,8 +120,8 @@ def main() -> None:
         "repeats": args.repeats,
         "results": summary,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(doc, indent=2))
+    base = dated(args.out)
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     lines = [
         f"# Real-model throughput ({runner.config.name})",
         "",
@@ -149,7 +147,7 @@ def main() -> None:
         "Python overhead = share of the iteration outside the model's forward pass "
         "(scheduling, input preparation, sampling, bookkeeping).",
     ]
-    (OUT / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -8,9 +8,8 @@ import os
 import platform
 from pathlib import Path
 
+from bench.servers import OUT
 from kernels import cpu_backend, cpu_build
-
-OUT = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, object]:

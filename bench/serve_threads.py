@@ -5,7 +5,7 @@
 Starts ``stallfree serve --threads N`` (the gateway's event loop shares the
 process), runs the same WebSocket load against each setting in alternation,
 and reports decode throughput and client-side inter-token gaps. Writes
-bench/results/serve_threads.{json,md}.
+a new bench/results/serve_threads-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 import orjson
 from websockets.asyncio.client import connect
 
-from bench.servers import OUT, start_stallfree, stop
+from bench.record import dated
+from bench.servers import start_stallfree, stop
 from core.stats import percentile
 
 
@@ -71,8 +72,8 @@ def main() -> None:
                 stop(proc)
             print(json.dumps(rows[-1]), file=sys.stderr)
     command = ("python -m bench.serve_threads " + " ".join(sys.argv[1:])).strip()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "serve_threads.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+    base = dated("serve_threads")
+    base.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     lines = [
         f"# Gateway + real model in one process: torch threads ({args.streams} streams x {args.tokens} tokens)",
         "",
@@ -88,7 +89,7 @@ def main() -> None:
             f"| {threads} | {m['tokens_per_s']:.0f} | {m['itl_p50_ms']:.1f} | {m['itl_p99_ms']:.1f}"
             f" | {m['max_gap_ms']:.0f} |"
         )
-    (OUT / "serve_threads.md").write_text("\n".join(lines) + "\n")
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
