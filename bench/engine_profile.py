@@ -127,7 +127,7 @@ def main() -> None:
     native = kernels._cpu()
     backends = {"reference": reference, "native": native}
     if native is reference:
-        sys.exit(f"the native kernels are not available here: {kernels.cpu_backend()}")
+        sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
     results: dict[str, dict[str, list]] = {s: {b: [] for b in backends} for s in SCENARIOS}
     for rep in range(args.repeats + 1):  # the first round warms up and is dropped
         for name, iterations in SCENARIOS.items():

@@ -8,8 +8,10 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
 from bench.servers import OUT
-from kernels import cpu_backend, cpu_build
+from kernels import backend, cpu_build
 
 
 def machine() -> dict[str, object]:
@@ -23,7 +25,7 @@ def machine() -> dict[str, object]:
         "isa": cpu_build.detect_isa(),
         "amx": cpu_build.has_amx(),
         "avx512_bf16": "avx512_bf16" in cpu_build.cpu_flags(),
-        "cpu_kernels": cpu_backend(),
+        "cpu_kernels": backend(torch.device("cpu")),
     }
 
 

@@ -15,7 +15,7 @@ from core.batch import Batch
 from core.loader import LoadedModel
 from core.model import LlamaModel
 from core.sampler import sample
-from kernels import build_attention_meta
+from kernels import backend, build_attention_meta
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -69,6 +69,7 @@ class ModelRunner:
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kernels = backend(device)  # e.g. native-avx2, triton, reference (why)
         self.load_s = time.perf_counter() - start
 
     def execute(self, batch: Batch) -> list[int]:

@@ -264,7 +264,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine, runner = build_engine(settings_model, config)
         tokenizer = runner.tokenizer
         settings.model_name = args.model_name or runner.config.name
-        facts = {"runner": "torch", "dtype": str(runner.dtype), "threads": runner.threads, "device": str(runner.device)}
+        facts = {
+            "runner": "torch",
+            "dtype": str(runner.dtype),
+            "threads": runner.threads,
+            "device": str(runner.device),
+            "kernels": runner.kernels,
+        }
         if auto_budget or args.dynamic_chunking:
             prof, source = saved_or_quick_profile(runner, engine.kv.num_blocks, runner.threads)
             engine.scheduler.chunk_limit = prof.cost_model.level_chunk

@@ -51,9 +51,13 @@ def _impl(t: torch.Tensor) -> ModuleType:
     return _cpu()
 
 
-def cpu_backend() -> str:
-    """Which CPU kernels run in this process, for start-up logs and bench records."""
-    return str(cpu_build.status())
+def backend(device: torch.device) -> str:
+    """Which kernels run for tensors on ``device``, for start-up logs and bench records."""
+    if device.type == "cuda" and _triton() is not None:
+        return "triton"
+    if device.type == "cpu":
+        return str(cpu_build.status())
+    return "reference"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,8 +96,8 @@ __all__ = [
     "AttentionMeta",
     "Linear",
     "add_rms_norm",
+    "backend",
     "build_attention_meta",
-    "cpu_backend",
     "paged_attention",
     "rms_norm",
     "rope",

@@ -123,11 +123,14 @@ def test_unsupported_shapes_fall_back_to_the_reference(ops):
 
 def test_dispatch_uses_the_native_kernels_on_cpu(ops):
     assert kernels._impl(torch.zeros(1)) is ops
-    assert kernels.cpu_backend().startswith("native-")
+    assert kernels.backend(torch.device("cpu")).startswith("native-")
 
 
 def _backend_in_subprocess(env: dict[str, str]) -> str:
-    code = "import kernels, torch; print(kernels.cpu_backend()); print(kernels._impl(torch.zeros(1)).__name__)"
+    code = (
+        "import kernels, torch; print(kernels.backend(torch.device('cpu')));"
+        "print(kernels._impl(torch.zeros(1)).__name__)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120, check=True
     )

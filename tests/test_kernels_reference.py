@@ -16,4 +16,6 @@ def test_prepacked_linear_matches_f_linear(rows):
     for bias in (None, b):
         lin = Linear(w, bias)
         assert torch.allclose(lin(x).float(), F.linear(x, w, bias).float(), atol=0.05, rtol=0.02)
-    assert Linear(w.float())(x.float()).dtype == torch.float32  # fp32: plain F.linear
+    fp32 = Linear(w.float(), b.float())
+    assert fp32.packed is not None  # prepacked in fp32 too
+    assert torch.allclose(fp32(x.float()), F.linear(x.float(), w.float(), b.float()), atol=1e-4)
