@@ -71,7 +71,7 @@ def plan(
         "chunk_tokens": head["chunk_tokens"],
         "weight_gb": m.weight_bytes / 1e9,
         "decode_weights_ms": m.weight_bytes / hw.mem_bw * 1e3,
-        "decode_compute_ms": cost.compute_s(decoders) * 1e3,
+        "decode_compute_ms": 2.0 * m.params * decoders / hw.flops * 1e3,
         "decode_step_ms": cost.iteration_s([decode_context] * decoders, []) * 1e3,
         "prefill_unchunked_ms": unchunked_s * 1e3,
         "stall_unchunked_ms": unchunked_s * 1e3,

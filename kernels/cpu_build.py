@@ -4,8 +4,9 @@ The instruction set is detected at run time from ``/proc/cpuinfo`` and picks
 the compiler flags; the build is cached per instruction set under
 ``~/.cache/stallfree/kernels`` (``STALLFREE_KERNEL_CACHE`` overrides), so a
 home directory shared by an AVX-512 and an AVX2 machine holds one build for
-each. Without a compiler, ninja or a working build, :func:`load` returns
-None with the reason, and the dispatch falls back to the torch reference.
+each. Without a compiler, ninja or a working build, :func:`status` says
+``reference`` with the reason (and logs it), and the dispatch falls back to
+the torch reference.
 ``STALLFREE_CPU_KERNELS=reference`` forces that fallback. ``make setup``
 builds it, so the first request does not wait for the compiler (~45 s here).
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -61,11 +63,13 @@ def cache_dir(isa: str) -> Path:
     return Path(root) / isa
 
 
+@dataclass(slots=True, frozen=True)
 class Status:
     """What the CPU dispatch runs: ``native`` with its ISA, or ``reference`` and why."""
 
-    def __init__(self, backend: str, isa: str, reason: str = "") -> None:
-        self.backend, self.isa, self.reason = backend, isa, reason
+    backend: str  # native | reference
+    isa: str
+    reason: str = ""
 
     def __str__(self) -> str:
         return f"native-{self.isa}" if self.backend == "native" else f"reference ({self.reason})"
@@ -79,7 +83,8 @@ def status() -> Status:
         return Status("reference", isa, "STALLFREE_CPU_KERNELS=reference")
     # the venv's ninja is on no PATH when its python runs without activation
     bin_dir = str(Path(sys.executable).parent)
-    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if missing:
         return _fallback(isa, f"{' and '.join(missing)} not found")

@@ -100,3 +100,18 @@ def test_prompts_are_unique_across_runs_with_the_same_seed():
     pa, pb = a(200), b(200)
     assert tok.encode(pa)[:16] != tok.encode(pb)[:16]  # no shared first KV block
     assert abs(len(tok.encode(pa)) - 200) <= 3
+
+
+def test_results_go_to_new_dated_files(tmp_path, monkeypatch):
+    """A benchmark never overwrites a recorded result: each run takes the next free dated name."""
+    from bench import record
+
+    monkeypatch.setattr(record, "OUT", tmp_path)
+    first = record.dated("compare")
+    assert record.dated("compare") == first  # nothing written yet
+    first.with_suffix(".json").write_text("{}")
+    second = record.dated("compare")
+    assert second.name == f"{first.name}-2"
+    second.with_suffix(".md").write_text("")
+    assert record.dated("compare").name == f"{first.name}-3"
+    assert record.machine()["isa"] in ("avx512", "avx2", "generic")

@@ -1,0 +1,40 @@
+"""The cost model's two rooflines and the profile fit that calibrates them."""
+
+import math
+
+import pytest
+
+from core.cost_model import CostModel, HardwareSpec, ModelSpec
+from core.profiler import Point, fit
+
+SPEC = ModelSpec("m", 100e6, 4.0, layers=10, heads=8, kv_heads=2, head_dim=64)
+
+
+def test_linear_and_attention_rooflines_add():
+    hw = HardwareSpec("h", flops=1e11, mem_bw=1e10, overhead_s=0.01, attention_flops=5e10)
+    cost = CostModel(SPEC, hw, attention=True, kv_reads=True)
+    linear = max(2 * SPEC.params * 8 / hw.flops, SPEC.weight_bytes / hw.mem_bw)  # 8 decodes: weight reads bind
+    attention = max(8 * SPEC.attention_flops(500, 1) / 5e10, 8 * 500 * SPEC.kv_bytes_per_token / hw.mem_bw)
+    assert cost.iteration_s([500] * 8, []) == pytest.approx(linear + attention + 0.01)
+
+
+def test_without_overlap_weight_reads_add_to_compute():
+    hw = HardwareSpec("h", flops=1e11, mem_bw=1e10, overlap=False)
+    compute, memory = 2 * SPEC.params * 300 / hw.flops, SPEC.weight_bytes / hw.mem_bw
+    assert CostModel(SPEC, hw).iteration_s([], [(0, 300)]) == pytest.approx(compute + memory)
+    overlapped = HardwareSpec("h", flops=1e11, mem_bw=1e10)
+    assert CostModel(SPEC, overlapped).iteration_s([], [(0, 300)]) == pytest.approx(max(compute, memory))
+
+
+def test_fit_recovers_a_machine_that_adds_weight_reads():
+    truth = CostModel(SPEC, HardwareSpec("t", 8e10, 5e9, 0.02, 3e10, overlap=False), attention=True, kv_reads=True)
+    shapes = [(1, 256, 0, 0), (8, 256, 0, 0), (32, 256, 0, 0), (64, 256, 0, 0)]
+    shapes += [(8, 256, c, 0) for c in (16, 128, 512, 2048)] + [(0, 0, 256, p) for p in (512, 2048, 4096)]
+    points = []
+    for decodes, ctx, chunk, prefix in shapes:
+        ms = truth.iteration_s([ctx] * decodes, [(prefix, chunk)] if chunk else []) * 1e3
+        points.append(Point(decodes, ctx, chunk, prefix, ms))
+    fitted = fit(SPEC, points)
+    assert fitted.hardware.overlap is False
+    worst = max(abs(math.log(p.predicted_ms / p.measured_ms)) for p in points)
+    assert worst < 0.05
