@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from bench.greedy_agreement import greedy
 from core.loader import load_model
 from core.model import rope_cos_sin
 from core.model_config import ModelConfig
@@ -162,19 +163,6 @@ def smollm():
     return load_model(None)
 
 
-def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
-    from core.config import CacheConfig, SchedulerConfig
-    from core.engine import Engine
-    from core.request import Request, SamplingParams
-
-    engine = Engine(SchedulerConfig(token_budget=64, max_model_len=1024), CacheConfig(128, 16), runner)
-    req = Request("g", prompt, SamplingParams(max_tokens=steps, ignore_eos=True), 0)
-    engine.add_request(req)
-    while engine.has_work:
-        engine.step()
-    return list(req.output_token_ids)
-
-
 def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm, monkeypatch):
     """The embedded SmolLM2 in float32, chunked (budget 64): the native kernels and
     the torch reference produce the same greedy tokens on a fixed prompt set."""
@@ -184,7 +172,7 @@ def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm
         smollm.tokenizer.encode("def fibonacci(n):\n    " * 12),
         smollm.tokenizer.encode("Once upon a time, in a land far away, " * 10),
     ]
-    native_out = [_greedy(runner, p, 16) for p in prompts]
+    native_out = [greedy(runner, p, 16) for p in prompts]
     monkeypatch.setattr(kernels, "_cpu", lambda: reference)
-    reference_out = [_greedy(runner, p, 16) for p in prompts]
+    reference_out = [greedy(runner, p, 16) for p in prompts]
     assert native_out == reference_out
