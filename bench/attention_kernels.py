@@ -58,8 +58,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    native = kernels._cpu()
-    if native is reference:
+    native = kernels.native_cpu()
+    if native is None:
         sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
     impls = {"reference": reference, "native": native}
     rows = []

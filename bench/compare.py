@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import torch
 
 from bench.record import OUT, dated, describe, machine
 from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
@@ -101,8 +102,6 @@ def main() -> None:
     args = ap.parse_args()
     if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
-    import torch
-
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
     seed = 0

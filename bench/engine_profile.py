@@ -8,7 +8,7 @@ decode at 8 and 32 streams (512-token contexts), and a 2,000-token prompt in
 4 chunks of 500 at budget 512 with 8 decodes riding along (the 4 iterations
 summed: the issue's profile). Backends alternate run by run (A B A B ...).
 Each op the model calls through ``kernels`` is timed (attention, element-wise,
-KV write, the linear layers); the rest is embedding, lm_head sampling prep and
+KV write, the linear layers); the rest is the embedding, metadata and
 Python. Writes bench/results/engine_profile-<date>.{json,md}.
 """
 
@@ -132,8 +132,7 @@ def main() -> None:
     for rep in range(args.repeats + 1):  # the first round warms up and is dropped
         for name, iterations in SCENARIOS.items():
             for backend, module in backends.items():
-                kernels._cpu = lambda module=module: module
-                with Profile() as prof:
+                with kernels.cpu_path(module), Profile() as prof:
                     total = run_once(model, caches, iterations)
                 if rep:
                     results[name][backend].append({"total_s": total, **prof.totals})

@@ -53,13 +53,17 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(None)
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    native = kernels._cpu()
+    native = kernels.native_cpu()
+    if native is None:
+        sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
     outputs: dict[str, list[list[int]]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         runner = ModelRunner(loaded, 128, 16, dtype, torch.device("cpu"))
         for name, module in (("native", native), ("reference", reference)):
-            kernels._cpu = lambda module=module: module
-            outputs[f"{str(dtype).removeprefix('torch.')} {name}"] = [greedy(runner, p, args.tokens) for p in prompts]
+            with kernels.cpu_path(module):
+                outputs[f"{str(dtype).removeprefix('torch.')} {name}"] = [
+                    greedy(runner, p, args.tokens) for p in prompts
+                ]
     truth = outputs["float32 reference"]
     rows = []
     for name, outs in outputs.items():

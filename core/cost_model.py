@@ -9,8 +9,9 @@ attention reads (decode context and the chunk re-read of earlier chunks).
 Attention runs after the projections, not beside them, so its own roofline,
 max(attention compute, KV reads), is added to the linear layers'. On CPU,
 small-batch GEMMs do not hide weight reads under compute either: a fitted
-profile may set ``overlap=False`` and add the two (fitted on the embedded
-model, fp32, AVX2: mean error 11 % -> 6 %).
+profile may set ``overlap=False`` and add the two (the embedded model, fp32,
+on an AVX2 EPYC fits that way within 5 % mean, 14 % worst:
+bench/results/profile-2026-12-01.md).
 """
 
 from __future__ import annotations

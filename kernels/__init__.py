@@ -12,6 +12,8 @@ references.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from types import ModuleType
 
@@ -33,13 +35,32 @@ def _triton() -> ModuleType | None:
 
 
 @cache
-def _cpu() -> ModuleType:
-    """The C++ kernels when they build and load here, else the reference."""
+def native_cpu() -> ModuleType | None:
+    """The C++ kernels (``kernels.cpu_ops``) when they build and load here, else None."""
     if cpu_build.status().backend != "native":
-        return reference
+        return None
     from kernels import cpu_ops
 
     return cpu_ops
+
+
+_cpu_override: ModuleType | None = None
+
+
+def _cpu() -> ModuleType:
+    return _cpu_override or native_cpu() or reference
+
+
+@contextmanager
+def cpu_path(module: ModuleType) -> Iterator[None]:
+    """CPU tensors go through ``module`` (``reference`` or ``native_cpu()``)
+    inside the block: how benchmarks and tests compare the two paths."""
+    global _cpu_override
+    saved, _cpu_override = _cpu_override, module
+    try:
+        yield
+    finally:
+        _cpu_override = saved
 
 
 def _impl(t: torch.Tensor) -> ModuleType:
@@ -98,6 +119,8 @@ __all__ = [
     "add_rms_norm",
     "backend",
     "build_attention_meta",
+    "cpu_path",
+    "native_cpu",
     "paged_attention",
     "rms_norm",
     "rope",

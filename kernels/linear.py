@@ -3,8 +3,8 @@
 torch's plain ``F.linear`` re-lays out the weight on every call; a prepacked
 weight runs decode-sized bf16 GEMMs 1.3-1.8x faster on an AVX-512 BF16 machine
 (8 rows: 0.17 -> 0.28 TFLOP/s on one thread) and prefill-sized ones ~5%
-faster; in fp32 on an AVX2 machine (AMD EPYC), a model-sized stack of
-weights ran 1.3x (8 rows) to 1.4x (512 rows) faster. Elsewhere (CUDA, a
+faster; in fp32 on an AVX2 EPYC it was faster at every size from 8 to 512
+rows in a one-off timing (not a recorded benchmark). Elsewhere (CUDA, a
 torch without the op) this is plain ``F.linear``.
 """
 

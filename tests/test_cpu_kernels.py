@@ -163,7 +163,7 @@ def smollm():
     return load_model(None)
 
 
-def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm, monkeypatch):
+def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm):
     """The embedded SmolLM2 in float32, chunked (budget 64): the native kernels and
     the torch reference produce the same greedy tokens on a fixed prompt set."""
     runner = ModelRunner(smollm, 128, 16, torch.float32, CPU)
@@ -173,6 +173,7 @@ def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm
         smollm.tokenizer.encode("Once upon a time, in a land far away, " * 10),
     ]
     native_out = [greedy(runner, p, 16) for p in prompts]
-    monkeypatch.setattr(kernels, "_cpu", lambda: reference)
-    reference_out = [greedy(runner, p, 16) for p in prompts]
+    with kernels.cpu_path(reference):
+        reference_out = [greedy(runner, p, 16) for p in prompts]
+    assert kernels._impl(torch.zeros(1)) is ops  # restored after the block
     assert native_out == reference_out
