@@ -40,11 +40,12 @@ OPS = {  # kernels function -> breakdown category
     "rope": "element-wise",
     "silu_mul": "element-wise",
     "write_kv": "kv write",
+    "linear": "linear (GEMM)",
 }
 
 
 class Profile:
-    """Wraps the kernels entry points and Linear to add up time per category."""
+    """Wraps the kernels entry points to add up time per category."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
@@ -66,7 +67,6 @@ class Profile:
     def __enter__(self) -> Profile:
         for name, category in OPS.items():
             self._wrap(kernels, name, category)
-        self._wrap(kernels.Linear, "__call__", "linear (GEMM)")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, CPU)
     loaded = load_model(None)
-    model = LlamaModel(loaded.config, loaded.weights, dtype, CPU)
+    model = LlamaModel(loaded.config, loaded.weights, dtype, CPU, loaded.quantized)
     c = loaded.config
     shape = (c.num_layers, 1200, BLOCK, c.num_kv_heads, c.head_dim)
     caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))

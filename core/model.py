@@ -50,34 +50,46 @@ def rope_cos_sin(config: ModelConfig, device: torch.device) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        quantized: dict[str, kernels.Quantized] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
+        quantized = quantized or {}
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        def cat(*names: str) -> torch.Tensor:
-            return torch.cat([weights[n] for n in names]).to(device=device, dtype=dtype).contiguous()
+        def linear(*names: str, bias: torch.Tensor | None = None) -> kernels.Linear:
+            """One layer over the named weights stacked by rows (fused QKV, gate/up)."""
+            weight = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
+            blocks = [quantized.get(n) for n in names]
+            kinds = {b.kind for b in blocks if b is not None}
+            same = None not in blocks and len(kinds) == 1
+            stacked = kernels.Quantized(kinds.pop(), torch.cat([b.blocks for b in blocks])) if same else None
+            return kernels.Linear(weight, bias, stacked)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = kernels.Linear(self.embed if config.tie_embeddings else w("lm_head.weight"))
+        self.lm_head = linear("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight")
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             bias = None
             if config.attention_bias:
-                bias = cat(*(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+                bias = torch.cat([weights[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]).to(device, dtype)
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=kernels.Linear(cat(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")), bias),
-                    o=kernels.Linear(w(p + "self_attn.o_proj.weight")),
+                    qkv=linear(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"), bias=bias),
+                    o=linear(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=kernels.Linear(cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                    down=kernels.Linear(w(p + "mlp.down_proj.weight")),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
                 )
             )
         self.cos_sin = rope_cos_sin(config, device)
@@ -106,7 +118,7 @@ class LlamaModel:
                 x = kernels.rms_norm(h, layer.input_norm, eps)
             else:
                 x, residual = kernels.add_rms_norm(h, residual, layer.input_norm, eps)
-            qkv = layer.qkv(x)
+            qkv = kernels.linear(layer.qkv, x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q, k = kernels.rope(
                 q.view(t, cfg.num_heads, cfg.head_dim),
@@ -116,8 +128,8 @@ class LlamaModel:
             )
             kernels.write_kv(k_cache[i], v_cache[i], k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache[i], v_cache[i], meta, self.scale)
-            h = layer.o(attn.view(t, q_size))
+            h = kernels.linear(layer.o, attn.view(t, q_size))
             x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
-            h = layer.down(kernels.silu_mul(layer.gate_up(x)))
+            h = kernels.linear(layer.down, kernels.silu_mul(kernels.linear(layer.gate_up, x)))
         last = (residual + h.float())[logits_rows]
-        return self.lm_head(kernels.rms_norm(last, self.final_norm, eps)).float()
+        return kernels.linear(self.lm_head, kernels.rms_norm(last, self.final_norm, eps)).float()

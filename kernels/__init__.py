@@ -21,6 +21,7 @@ import torch
 
 from kernels import cpu_build, reference
 from kernels.attention_meta import AttentionMeta, build_attention_meta
+from kernels.compact import Quantized
 from kernels.linear import Linear
 
 
@@ -81,6 +82,11 @@ def backend(device: torch.device) -> str:
     return "reference"
 
 
+def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x W^T + b; on CPU with the native kernels, decode-sized batches read the compact weights."""
+    return _impl(x).linear(layer, x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _impl(x).rms_norm(x, weight, eps)
 
@@ -116,10 +122,12 @@ def paged_attention(
 __all__ = [
     "AttentionMeta",
     "Linear",
+    "Quantized",
     "add_rms_norm",
     "backend",
     "build_attention_meta",
     "cpu_path",
+    "linear",
     "native_cpu",
     "paged_attention",
     "rms_norm",

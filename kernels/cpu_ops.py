@@ -14,6 +14,7 @@ import torch
 
 from kernels import reference
 from kernels.attention_meta import AttentionMeta
+from kernels.linear import Linear
 
 write_kv = reference.write_kv  # one index_copy_ per cache: already a single pass
 
@@ -26,6 +27,13 @@ ops = torch.ops.stallfree
 
 def _rows_ok(x: torch.Tensor, multiple: int = _LANES) -> bool:
     return x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1 and x.shape[1] % multiple == 0
+
+
+def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """Decode-sized float32 batches read the layer's compact weights; the rest go to oneDNN."""
+    if layer.compact is not None and x.dim() == 2 and x.shape[0] <= layer.COMPACT_ROWS and x.dtype == torch.float32:
+        return layer.compact(x.contiguous(), layer.bias)
+    return layer(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

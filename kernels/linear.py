@@ -1,11 +1,13 @@
-"""Linear layers with weights prepacked for oneDNN on CPU (bf16 and fp32).
+"""Linear layers: weights prepacked for oneDNN on CPU, plus a compact copy
+for decode-sized batches where the native kernels can read one.
 
 torch's plain ``F.linear`` re-lays out the weight on every call; a prepacked
 weight runs decode-sized bf16 GEMMs 1.3-1.8x faster on an AVX-512 BF16 machine
-(8 rows: 0.17 -> 0.28 TFLOP/s on one thread) and prefill-sized ones ~5%
-faster; in fp32 on an AVX2 EPYC it was faster at every size from 8 to 512
-rows in a one-off timing (not a recorded benchmark). Elsewhere (CUDA, a
-torch without the op) this is plain ``F.linear``.
+(8 rows: 0.17 -> 0.28 TFLOP/s on one thread) and prepacked fp32 ones faster
+on an AVX2 EPYC too. Elsewhere (CUDA, a torch without the op) this is plain
+``F.linear``. Which of the two a call uses is the kernel dispatch's choice
+(``kernels.linear``): the compact copy (``kernels.compact``) only up to
+``Linear.COMPACT_ROWS`` rows, where reading fewer bytes beats oneDNN.
 """
 
 from __future__ import annotations
@@ -13,21 +15,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_build
+from kernels.compact import CompactWeight, Quantized, compact_weight
+
 _PACK_HINT = 64  # rows the packed layout is tuned for
 _PACKED = (torch.bfloat16, torch.float32)
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    COMPACT_ROWS = 64  # up to here the compact copy measured faster (bench.linear_kernels)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantized: Quantized | None = None):
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype in _PACKED and _has_mkldnn_linear():
+        self.compact: CompactWeight | None = None
+        if weight.device.type != "cpu":
+            return
+        if weight.dtype in _PACKED and _has_mkldnn_linear():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
             except RuntimeError:
                 self.packed = None
+        if weight.dtype == torch.float32 and cpu_build.status().backend == "native":
+            self.compact = compact_weight(weight, quantized)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b by oneDNN's prepacked weight or ``F.linear`` (every device)."""
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

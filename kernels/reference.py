@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_meta import AttentionMeta
+from kernels.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,3 +146,7 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qq, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)

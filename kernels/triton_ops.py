@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_meta import AttentionMeta
+from kernels.linear import Linear
 
 
 # -- RMSNorm (+ fused residual add) ----------------------------------------------
@@ -225,3 +226,7 @@ def paged_attention(
         HEAD_DIM=dim,
     )
     return out
+
+
+def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -47,6 +48,32 @@ inline void store(c10::BFloat16* p, vf v) {
   u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
   vh h = __builtin_convertvector(u >> 16, vh);
   std::memcpy(p, &h, sizeof(h));
+}
+
+// W bytes widened to W int32 lanes (one vpmovzx/sx; GCC's convertvector
+// of byte vectors extracts them one by one).
+inline vi widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vi v;
+  for (int i = 0; i < W; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
+inline vi widen(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vi v;
+  for (int i = 0; i < W; ++i) v[i] = p[i];
+  return v;
+#endif
 }
 
 inline float to_float(float x) { return x; }

@@ -1,0 +1,201 @@
+// Decode-sized GEMMs (a few rows of float32 activations) over compact
+// weights: y = x W^T + bias with W read as bf16, GGUF Q8_0 or GGUF Q4_1 and
+// widened to float32 in registers. A decode step is a stream through every
+// weight of the model, so its time is the bytes read: 2 (bf16), 8.5 (Q8_0)
+// or 5 (Q4_1) bits a weight here against 32 for the float32 copy oneDNN
+// reads. The widened values equal the float32 weights bit for bit (a bf16
+// widens exactly; d*q is exact in float32 for Q8_0 and Q4_1, so d*q + m rounds
+// once, as the loader's dequantization does), so only the order of the sums
+// differs from the float32 path.
+//
+// Layouts (packed by kernels/linear.py), B = 2*W output columns per block:
+//   bf16  w[N/B][K][B]
+//   q8_0  d[N/B][K/32][B] f32, q[N/B][K/32][32][B] int8         w = d*q
+//   q4_1  d, m[N/B][K/32][B] f32, q[N/B][K/32][32][W] uint8     w = d*q + m
+//         (column j in the low nibble of byte j, column W+j in the high one)
+// The micro-kernel keeps an MT x B tile of y in registers and broadcasts x.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace sf {
+namespace {
+
+constexpr int B = 2 * W;  // output columns per block: two vectors
+constexpr int QK = 32;    // GGUF quantization block along K
+
+// One column block's weights for one k, as two float32 vectors.
+// Each format says how many rows its register tile holds: 2*MT accumulators,
+// two weight vectors, its scales and one broadcast x must fit 16 registers.
+struct Bf16 {
+  static constexpr int MT = 6;
+  const c10::BFloat16* w;
+  int64_t K;
+  void begin(int64_t, int64_t) {}
+  void at(int64_t blk, int64_t k, vf& w0, vf& w1) const {
+    const c10::BFloat16* p = w + (blk * K + k) * B;
+    w0 = load(p), w1 = load(p + W);
+  }
+};
+
+// A column block already widened into a float32 scratch [K][B] (blk ignored):
+// batches of many tiles widen each weight once, not once per tile.
+struct F32 {
+  static constexpr int MT = 6;
+  const float* w;
+  void begin(int64_t, int64_t) {}
+  void at(int64_t, int64_t k, vf& w0, vf& w1) const { w0 = load(w + k * B), w1 = load(w + k * B + W); }
+};
+
+struct Q8_0 {
+  static constexpr int MT = 5;
+  const float* d;
+  const int8_t* q;
+  int64_t K;
+  vf d0, d1;
+  void begin(int64_t blk, int64_t kb) {
+    const float* p = d + (blk * (K / QK) + kb) * B;
+    d0 = load(p), d1 = load(p + W);
+  }
+  void at(int64_t blk, int64_t k, vf& w0, vf& w1) const {
+    const int8_t* p = q + (blk * K + k) * B;
+    w0 = d0 * __builtin_convertvector(widen(p), vf), w1 = d1 * __builtin_convertvector(widen(p + W), vf);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int MT = 4;
+  const float* d;
+  const float* m;
+  const uint8_t* q;
+  int64_t K;
+  vf d0, d1, m0, m1;
+  void begin(int64_t blk, int64_t kb) {
+    const int64_t o = (blk * (K / QK) + kb) * B;
+    d0 = load(d + o), d1 = load(d + o + W), m0 = load(m + o), m1 = load(m + o + W);
+  }
+  void at(int64_t blk, int64_t k, vf& w0, vf& w1) const {
+    const vi n = widen(q + (blk * K + k) * W);
+    w0 = d0 * __builtin_convertvector(n & 15, vf) + m0;
+    w1 = d1 * __builtin_convertvector(n >> 4, vf) + m1;
+  }
+};
+
+// y[rows, blk*B : blk*B+B] for `rows` (<= MT) rows of x.
+template <int R, typename F>
+void tile(F f, int64_t blk, const float* x, int64_t K, const float* bias, float* y, int64_t N) {
+  vf acc[R][2] = {};
+  for (int64_t kb = 0; kb < K; kb += QK) {
+    f.begin(blk, kb / QK);
+    for (int64_t k = kb; k < kb + QK; ++k) {
+      vf w0, w1;
+      f.at(blk, k, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const vf xv = splat(x[r * K + k]);
+        acc[r][0] += xv * w0;
+        acc[r][1] += xv * w1;
+      }
+    }
+  }
+  const vf b0 = bias ? load(bias + blk * B) : vf{}, b1 = bias ? load(bias + blk * B + W) : vf{};
+  for (int r = 0; r < R; ++r) {
+    store(y + r * N + blk * B, acc[r][0] + b0);
+    store(y + r * N + blk * B + W, acc[r][1] + b1);
+  }
+}
+
+// All M rows of y for one column block, MT rows at a time.
+template <typename F>
+void rows(F f, int64_t blk, int64_t M, const float* x, int64_t K, const float* bias, float* y, int64_t N) {
+  constexpr int MT = F::MT;
+  int64_t r = 0;
+  for (; r + MT <= M; r += MT) tile<MT>(f, blk, x + r * K, K, bias, y + r * N, N);
+  x += r * K, y += r * N;
+  switch (M - r) {  // cases at or above MT are never reached
+    case 5: tile<5 < MT ? 5 : 1>(f, blk, x, K, bias, y, N); break;
+    case 4: tile<4 < MT ? 4 : 1>(f, blk, x, K, bias, y, N); break;
+    case 3: tile<3>(f, blk, x, K, bias, y, N); break;
+    case 2: tile<2>(f, blk, x, K, bias, y, N); break;
+    case 1: tile<1>(f, blk, x, K, bias, y, N); break;
+    default: break;
+  }
+}
+
+template <typename F>
+at::Tensor run(F f, const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QK == 0 && N % B == 0, "K must be a multiple of 32 and N of ", B);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias: float32 [N]");
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // column blocks in parallel; each block's weights stay in L1 across the row tiles
+  at::parallel_for(0, N / B, 4, [&](int64_t b0, int64_t b1) {
+    F g = f;
+    // widening into scratch pays off from three tiles on (bench.linear_kernels)
+    const bool widen_once = M > 2 * F::MT;
+    std::vector<float> scratch(widen_once ? K * B : 0);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      if (!widen_once) {
+        rows(g, blk, M, xp, K, bp, yp, N);
+        continue;
+      }
+      for (int64_t kb = 0; kb < K; kb += QK) {
+        g.begin(blk, kb / QK);
+        for (int64_t k = kb; k < kb + QK; ++k) {
+          vf w0, w1;
+          g.at(blk, k, w0, w1);
+          store(&scratch[k * B], w0), store(&scratch[k * B + W], w1);
+        }
+      }
+      rows(F32{scratch.data()}, blk, M, xp, K, bp, yp, N);
+    }
+  });
+  return y;
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == B && w.scalar_type() == at::kBFloat16 && w.is_contiguous());
+  TORCH_CHECK(w.size(1) == x.size(1), "x and w disagree on K");
+  return run(Bf16{w.data_ptr<c10::BFloat16>(), x.size(1)}, x, w.size(0) * B, bias);
+}
+
+at::Tensor gemm_q8_0(const at::Tensor& x, const at::Tensor& d, const at::Tensor& q,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == QK && q.size(3) == B && q.scalar_type() == at::kChar && q.is_contiguous());
+  TORCH_CHECK(q.size(1) * QK == x.size(1), "x and q disagree on K");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == q.size(0) * q.size(1) * B);
+  return run(Q8_0{d.data_ptr<float>(), q.data_ptr<int8_t>(), x.size(1)}, x, q.size(0) * B, bias);
+}
+
+at::Tensor gemm_q4_1(const at::Tensor& x, const at::Tensor& d, const at::Tensor& m, const at::Tensor& q,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == QK && q.size(3) == W && q.scalar_type() == at::kByte && q.is_contiguous());
+  TORCH_CHECK(q.size(1) * QK == x.size(1), "x and q disagree on K");
+  const int64_t scales = q.size(0) * q.size(1) * B;
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == scales);
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.numel() == scales);
+  return run(Q4_1{d.data_ptr<float>(), m.data_ptr<float>(), q.data_ptr<uint8_t>(), x.size(1)}, x, q.size(0) * B,
+             bias);
+}
+
+int64_t simd_width() { return W; }
+
+}  // namespace
+}  // namespace sf
+
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def("simd_width", &sf::simd_width);
+  m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.impl("gemm_bf16", c10::DispatchKey::CPU, &sf::gemm_bf16);
+  m.def("gemm_q8_0(Tensor x, Tensor d, Tensor q, Tensor? bias) -> Tensor");
+  m.impl("gemm_q8_0", c10::DispatchKey::CPU, &sf::gemm_q8_0);
+  m.def("gemm_q4_1(Tensor x, Tensor d, Tensor m, Tensor q, Tensor? bias) -> Tensor");
+  m.impl("gemm_q4_1", c10::DispatchKey::CPU, &sf::gemm_q4_1);
+}
