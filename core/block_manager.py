@@ -19,6 +19,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from core import faults
 from core.request import Request
 
 
@@ -154,6 +155,7 @@ class BlockManager:
         Blocks come from req's own reservation first, then from blocks nobody
         has reserved.
         """
+        faults.point("allocate")
         need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
         if need <= 0:
             return True

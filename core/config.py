@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,20 @@ POLICIES = ("fcfs", "sjf", "lpm", "priority")
 
 # Settings the step thread may change between iterations (PUT /api/config).
 LIVE_SETTINGS = ("chunking", "token_budget", "policy", "max_partial_prefills", "dynamic_chunking", "max_defer_s")
+
+
+# setting -> (type, low, high) for numbers; (str, allowed values, None); (bool, None, None)
+RANGES: dict[str, tuple[type, Any, Any]] = {
+    "token_budget": (int, 1, 1 << 20),
+    "max_num_seqs": (int, 1, 4096),
+    "max_partial_prefills": (int, 1, 4096),
+    "max_model_len": (int, 1, 1 << 24),
+    "chunking": (str, CHUNKING_MODES, None),
+    "policy": (str, POLICIES, None),
+    "max_defer_s": (float, 0.001, 86400.0),
+    "dynamic_chunking": (bool, None, None),
+    "decode_reserve_tokens": (int, 0, 1 << 20),
+}
 
 
 @dataclass(slots=True)
@@ -47,20 +62,22 @@ class SchedulerConfig:
     def validated(self) -> tuple[SchedulerConfig, list[str]]:
         """Return a checked copy (budget clamped up if too small) and warnings.
 
-        Raises ValueError for values that cannot be repaired.
+        Raises ValueError naming the field for values that cannot be repaired:
+        each setting has one type and a finite range (``RANGES``).
         """
-        if self.chunking not in CHUNKING_MODES:
-            raise ValueError(f"chunking must be one of {', '.join(CHUNKING_MODES)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-        for name in ("token_budget", "max_num_seqs", "max_partial_prefills", "max_model_len"):
+        for name, (kind, low, high) in RANGES.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1")
-        if not isinstance(self.decode_reserve_tokens, int) or self.decode_reserve_tokens < 0:
-            raise ValueError("decode_reserve_tokens must be an integer >= 0")
-        if not isinstance(self.max_defer_s, (int, float)) or not self.max_defer_s > 0:
-            raise ValueError("max_defer_s must be a number > 0")
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true or false")
+            elif kind is str:
+                if value not in low:
+                    raise ValueError(f"{name} must be one of {', '.join(low)}")
+            else:
+                numeric = isinstance(value, int) or (kind is float and isinstance(value, float))
+                if isinstance(value, bool) or not numeric or not math.isfinite(value) or not low <= value <= high:
+                    what = "an integer" if kind is int else "a number"
+                    raise ValueError(f"{name} must be {what} in [{low}, {high}]")
         warnings = []
         checked = dataclasses.replace(self)
         if self.token_budget < self.min_token_budget:

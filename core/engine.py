@@ -18,7 +18,7 @@ from core.block_manager import BlockManager
 from core.config import CacheConfig, SchedulerConfig
 from core.request import Request, RequestStatus, SamplingParams
 from core.runner import Runner
-from core.scheduler import ChunkLimit, Scheduler
+from core.scheduler import ChunkLimit, ScheduleFailed, Scheduler
 
 log = structlog.get_logger(__name__)
 
@@ -42,13 +42,28 @@ class RequestOutput:
     stalled: bool = False  # another request's prefill ran since this request's previous token
 
 
+@dataclass(slots=True, frozen=True)
+class Counts:
+    """Queue lengths and KV blocks after a step (gauges stay current without iterations)."""
+
+    running: int
+    waiting: int
+    partial_prefills: int
+    kv_used_blocks: int
+    kv_free_blocks: int
+    kv_cached_blocks: int
+
+
 @dataclass(slots=True)
 class StepOutput:
-    iteration: IterationRecord | None  # None when only aborts are reported
+    iteration: IterationRecord | None  # None when only aborts or failures are reported
     outputs: list[RequestOutput]
+    counts: Counts
 
 
 class Engine:
+    MAX_FAILED_ITERATIONS = 5  # failed iterations in a row after which the engine is broken
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -69,7 +84,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, chunk_limit)
         self.runner = runner
         self.clock = clock
-        self._unreported: list[Request] = []  # finished outside an iteration (aborts)
+        self._unreported: list[Request] = []  # finished outside an iteration (aborts, failures)
+        self.failed_in_a_row = 0
+        self.broken: str | None = None  # why the engine cannot go on, once it cannot
 
     @property
     def config(self) -> SchedulerConfig:
@@ -79,6 +96,10 @@ class Engine:
     def check(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         """Refuse what can never run. Reads only fixed settings: safe from any thread."""
         sampling.validate()
+        if sampling.top_k > self.runner.vocab_size:
+            raise RequestRejected(
+                "invalid_request", f"top_k must be at most the vocabulary size ({self.runner.vocab_size})"
+            )
         limit = self.config.max_model_len
         if num_prompt_tokens < 1:
             raise RequestRejected("invalid_request", "prompt is empty")
@@ -109,23 +130,61 @@ class Engine:
 
     # -- the iteration -----------------------------------------------------
     def step(self) -> StepOutput | None:
+        """One iteration. Whatever raises in it (scheduler, block manager,
+        runner, sampler, update) fails only the requests it touched; two
+        failed iterations in a row also fail everything queued (a request
+        that breaks every schedule goes with them); ``MAX_FAILED_ITERATIONS``
+        in a row mean the engine cannot go on: ``broken`` says why."""
         start_ns = self.clock()
-        batch = self.scheduler.schedule(start_ns)
-        if not batch.items:
-            return self._collect(None, [])
+        batch: Batch | None = None
         try:
+            batch = self.scheduler.schedule(start_ns)
+            if not batch.items:
+                return self._collect(None, [])
             sampled = self.runner.execute(batch)
-        except Exception:
-            # the batch's requests fail; everybody else carries on
-            log.exception("runner_failed", iteration=batch.iteration, requests=len(batch.items))
             end_ns = self.clock()
-            for item in batch.items:
-                self.scheduler.finish(item.request, RequestStatus.FINISHED_ERROR, end_ns)
-                self._unreported.append(item.request)
+            emitted = self.scheduler.update(batch, sampled, start_ns, end_ns)
+        except Exception as exc:
+            self._failed(exc.batch if isinstance(exc, ScheduleFailed) else batch, exc)
             return self._collect(None, [])
-        end_ns = self.clock()
-        emitted = self.scheduler.update(batch, sampled, start_ns, end_ns)
+        self.failed_in_a_row = 0
         return self._collect(self._record(batch, start_ns, end_ns), emitted)
+
+    def _failed(self, batch: Batch | None, exc: Exception) -> None:
+        self.failed_in_a_row += 1
+        touched = [item.request for item in batch.items] if batch is not None else []
+        log.error(
+            "iteration_failed",
+            iteration=batch.iteration if batch is not None else None,
+            requests=len(touched),
+            failed_in_a_row=self.failed_in_a_row,
+            exc_info=exc,
+        )
+        if self.failed_in_a_row >= 2:
+            touched += self.scheduler.waiting + self.scheduler.running
+        if self.failed_in_a_row >= self.MAX_FAILED_ITERATIONS:
+            self.broken = f"{self.failed_in_a_row} iterations in a row failed; last: {exc!r}"
+        self.fail(touched)
+
+    def fail(self, requests: list[Request]) -> None:
+        """End requests with an error (KV freed) and report each once, however
+        far its iteration got (update may already have finished it)."""
+        now_ns = self.clock()
+        seen = set()
+        for req in requests:
+            if req.request_id in seen:
+                continue
+            seen.add(req.request_id)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, now_ns)
+            self._unreported.append(req)
+
+    def fail_all(self) -> None:
+        """Every queued request ends with an error: the engine is shutting down broken."""
+        self.fail(self.scheduler.waiting + self.scheduler.running)
+
+    def step_output_of_failures(self) -> StepOutput | None:
+        """Report what ended outside an iteration (after ``fail_all``), without iterating."""
+        return self._collect(None, [])
 
     def _collect(self, record: IterationRecord | None, emitted: list[tuple[Request, int, bool]]) -> StepOutput | None:
         outputs = []
@@ -136,7 +195,18 @@ class Engine:
         self._unreported = []
         if record is None and not outputs:
             return None
-        return StepOutput(record, outputs)
+        return StepOutput(record, outputs, self.counts())
+
+    def counts(self) -> Counts:
+        s, kv = self.scheduler, self.kv
+        return Counts(
+            len(s.running),
+            len(s.waiting),
+            s.num_partial_prefills,
+            kv.num_used_blocks,
+            kv.num_free_blocks,
+            kv.num_cached_blocks,
+        )
 
     def _record(self, batch: Batch, start_ns: int, end_ns: int) -> IterationRecord:
         s = self.scheduler

@@ -65,6 +65,7 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.tokenizer.eos_token_ids
+        self.vocab_size = c.vocab_size
         self.model = LlamaModel(c, loaded.weights, dtype, device, loaded.quantized)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from core import faults
 from core.batch import Batch
 from core.cost_model import CostModel
 
 
 class Runner(Protocol):
     eos_token_ids: frozenset[int]
+    vocab_size: int  # rows of the logits: the largest meaningful top_k
 
     def execute(self, batch: Batch) -> list[int]:
         """Run the batch; return one token per item that samples, in item order."""
@@ -78,6 +80,7 @@ class SimRunner:
         )
 
     def execute(self, batch: Batch) -> list[int]:
+        faults.point("sample")
         bs = self.block_size
         sampled = []
         for item in batch.items:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from core import faults
 from core.request import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """logits: [rows, vocab] float32; steps: tokens each request has generated so far."""
+    faults.point("sample")
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not random_rows:
@@ -23,7 +25,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
     x = logits[rows] / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
     top_k = [params[i].top_k for i in random_rows]
     if any(top_k):
-        k = torch.tensor([kk if kk > 0 else x.shape[-1] for kk in top_k], device=x.device)
+        vocab = x.shape[-1]
+        k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=x.device)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     top_p = [params[i].top_p for i in random_rows]

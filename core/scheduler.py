@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from core import faults
 from core.batch import Batch, Item
 from core.block_manager import BlockManager
 from core.config import SchedulerConfig
@@ -25,6 +26,14 @@ from core.request import Chunk, Request, RequestStatus
 
 # (prefix length, token budget) -> largest chunk keeping the iteration level
 ChunkLimit = Callable[[int, int], int]
+
+
+class ScheduleFailed(RuntimeError):
+    """schedule() raised; ``batch`` holds the items it had formed (its cause is chained)."""
+
+    def __init__(self, batch: Batch) -> None:
+        super().__init__(f"scheduling iteration {batch.iteration} failed")
+        self.batch = batch
 
 
 class Scheduler:
@@ -61,15 +70,16 @@ class Scheduler:
         return req
 
     def finish(self, req: Request, status: RequestStatus, now_ns: int) -> None:
-        """End req: free its KV at once and drop it from the queues."""
-        if req.status == RequestStatus.WAITING:
+        """End req: free its KV at once and drop it from the queues. Also
+        sound after a failed iteration left req half-way between states."""
+        if req in self.waiting:
             self.waiting.remove(req)
-        else:
+        if req in self.running:
             self.running.remove(req)
         self.kv.free(req)
         req.status = status
         req.timeline.finished_ns = now_ns
-        del self.requests[req.request_id]
+        self.requests.pop(req.request_id, None)
 
     @property
     def has_work(self) -> bool:
@@ -81,8 +91,17 @@ class Scheduler:
 
     # -- schedule ----------------------------------------------------------
     def schedule(self, now_ns: int) -> Batch:
+        """The next iteration's batch. If anything raises, ``ScheduleFailed``
+        carries the batch as far as it got (the requests it touched)."""
         self._iteration += 1
         batch = Batch(self._iteration)
+        try:
+            faults.point("schedule")
+            return self._schedule(batch, now_ns)
+        except Exception as exc:
+            raise ScheduleFailed(batch) from exc
+
+    def _schedule(self, batch: Batch, now_ns: int) -> Batch:
         mode = self.config.chunking
         budget = self.config.token_budget
         if mode == "none":
@@ -192,6 +211,7 @@ class Scheduler:
         """Advance every request in batch; sampled holds one token per item that
         samples, in item order. Returns (request, token, stalled) for each token
         emitted; stalled: another request's prefill ran since its previous token."""
+        faults.point("update")
         emitted = []
         tokens = iter(sampled)
         chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)

@@ -3,6 +3,10 @@
 Other threads never touch the engine: they put commands on a thread-safe
 inbox, which the thread drains between iterations. Each iteration's outputs
 go to one callback call, never one call per token.
+
+The thread never dies silently: an engine that reports itself broken, or
+anything raised outside an iteration, fails every request (their outputs
+still go out), stops the loop and calls ``on_fatal`` with the reason.
 """
 
 from __future__ import annotations
@@ -26,13 +30,27 @@ T = TypeVar("T")
 _STALLED_WAIT_S = 0.002
 
 
+class EngineStopped(RuntimeError):
+    """The engine cannot run commands any more (the reason is the message)."""
+
+
 class StepLoop:
-    def __init__(self, engine: Engine, on_step: Callable[[StepOutput], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: Callable[[StepOutput], None],
+        on_fatal: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_fatal = on_fatal
         self.iterations = 0
         self.last_step_ns = 0
+        self.busy_since_ns = 0  # perf_counter_ns when the running iteration began; 0 between iterations
+        self.fatal: str | None = None
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders call() against _die(): no future is left pending
+        self._pending: set[Future[Any]] = set()
         self._running = False
         self._thread = threading.Thread(target=self._run, name="stallfree-step", daemon=True)
 
@@ -57,12 +75,19 @@ class StepLoop:
         future: Future[T] = Future()
 
         def command() -> None:
+            with self._lock:
+                self._pending.discard(future)
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
                 except Exception as exc:  # reported to the caller, not raised here
                     future.set_exception(exc)
 
+        with self._lock:
+            if self.fatal is not None:
+                future.set_exception(EngineStopped(self.fatal))
+                return future
+            self._pending.add(future)
         self._inbox.put(command)
         return future
 
@@ -90,6 +115,12 @@ class StepLoop:
             pass
 
     def _run(self) -> None:
+        try:
+            self._iterate()
+        except BaseException as exc:  # a bug outside any iteration: nobody may be left waiting
+            self._die(f"step loop failed: {exc!r}", exc)
+
+    def _iterate(self) -> None:
         stalled = False
         while self._running:
             if not self.engine.has_work:
@@ -98,13 +129,37 @@ class StepLoop:
                 self._drain(_STALLED_WAIT_S if stalled else 0)
             if not self._running:
                 break
+            self.busy_since_ns = time.perf_counter_ns()
             out = self.engine.step()
+            self.busy_since_ns = 0
+            if out is not None:
+                self.iterations += 1
+                self.last_step_ns = time.perf_counter_ns()
+                self._publish(out)
+            if self.engine.broken is not None:
+                self._die(self.engine.broken)
+                return
             stalled = out is None
-            if out is None:
-                continue
-            self.iterations += 1
-            self.last_step_ns = time.perf_counter_ns()
-            try:
-                self.on_step(out)
-            except Exception:
-                log.exception("on_step_failed")
+
+    def _publish(self, out: StepOutput) -> None:
+        try:
+            self.on_step(out)
+        except Exception:
+            log.exception("on_step_failed")
+
+    def _die(self, reason: str, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self.fatal = reason
+            pending, self._pending = self._pending, set()
+        for future in pending:  # commands that will never run
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped(reason))
+        self._running = False
+        log.critical("engine_stopped", reason=reason, exc_info=exc)
+        try:
+            self.engine.fail_all()
+            out = self.engine.step_output_of_failures()
+            if out is not None:
+                self._publish(out)
+        finally:
+            self.on_fatal(reason)

@@ -35,3 +35,11 @@ def test_top_p_and_top_k_cut_the_tail():
     assert set(top_p) <= {0, 1}  # p(0)=0.64, so tokens 0 and 1 cover 0.7
     top_k = sample(logits, [SamplingParams(temperature=5.0, top_k=3)] * 500, [0] * 500)
     assert set(top_k) == {0, 1, 2}
+
+
+def test_top_k_beyond_the_vocabulary_spares_the_rest_of_the_batch():
+    """The engine refuses such requests; the sampler still must not fail its batch."""
+    logits = torch.tensor([[0.0, 9.0, 0.0], [9.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_k=100000), SamplingParams()]
+    token, greedy = sample(logits, params, [0, 0])
+    assert token in (0, 1, 2) and greedy == 0

@@ -9,7 +9,7 @@ from core.config import CacheConfig, SchedulerConfig
 from core.cost_model import ARTICLE_GPU, CostModel
 from core.engine import Engine, RequestRejected
 from core.runner import SimRunner
-from core.step_loop import StepLoop
+from core.step_loop import EngineStopped, StepLoop
 from tests.simkit import request
 
 
@@ -105,3 +105,21 @@ def test_thread_survives_runner_and_callback_failures(loop):
     loop.submit(request("c", 4, max_tokens=2))
     rec.wait_for(lambda: "c" in rec.done)
     assert loop.alive
+
+
+def test_a_broken_engine_fails_everything_and_nothing_waits_forever(loop):
+    loop, rec = loop
+    reasons = []
+    loop.on_fatal = reasons.append
+    loop.engine.runner.execute = lambda batch: 1 / 0  # every iteration fails
+    for i in range(Engine.MAX_FAILED_ITERATIONS):
+        loop.submit(request(f"r{i}", 4, max_tokens=2))
+        rec.wait_for(lambda i=i: f"r{i}" in rec.done)
+        assert rec.done[f"r{i}"].finish_reason == "error"
+    deadline = time.monotonic() + 5
+    while loop.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not loop.alive and len(reasons) == 1 and "in a row failed" in reasons[0]
+    assert loop.engine.kv.num_used_blocks == 0
+    with pytest.raises(EngineStopped):  # refused at once, never queued
+        loop.call(lambda: 1).result(1)
