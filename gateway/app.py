@@ -13,12 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.config import LIVE_SETTINGS
-from gateway.auth import key_matches, request_key
+from core.step_loop import EngineStopped
+from gateway.auth import cross_origin_refusal, key_matches, request_key
 from gateway.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
 from gateway.engine_client import EngineClient
 from gateway.openai_api import chat_completions, completions, error_response, models, read_json
@@ -32,13 +33,20 @@ async def metrics(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
+    """Liveness: 503 once the engine has stopped for good (the process is exiting)."""
+    client: EngineClient = request.app.state.client
+    if client.fatal is not None:
+        return JSONResponse({"status": "failed", "reason": client.fatal}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def readyz(request: Request) -> Response:
     client: EngineClient = request.app.state.client
     ready = client.ready and client.accepting
-    return JSONResponse({"ready": ready, "in_flight": client.num_in_flight}, status_code=200 if ready else 503)
+    body: dict[str, Any] = {"ready": ready, "in_flight": client.num_in_flight}
+    if client.fatal is not None:
+        body["reason"] = client.fatal
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def config_view(client: EngineClient) -> dict[str, Any]:
@@ -68,24 +76,34 @@ async def config_view(client: EngineClient) -> dict[str, Any]:
 
 
 async def api_config(request: Request) -> Response:
+    """GET (and HEAD): settings and KV usage. PUT: change live settings."""
     client: EngineClient = request.app.state.client
-    if request.method == "GET":
-        return JSONResponse(await config_view(client))
     try:
-        changes = await read_json(request, client.settings.max_body_bytes)
+        if client.fatal is not None:
+            raise EngineStopped(client.fatal)
+        if request.method in ("GET", "HEAD"):
+            return JSONResponse(await config_view(client))
+        changes = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
         warnings = await asyncio.wrap_future(client.step_loop.reconfigure(changes))
+        return JSONResponse({**await config_view(client), "warnings": warnings})
+    except EngineStopped as exc:
+        return error_response("unavailable", f"the engine stopped: {exc}")
     except ProtocolError as exc:
         client.metrics.errors.labels(exc.code).inc()
         return error_response(exc.code, exc.message)
     except (ValueError, TypeError) as exc:
         client.metrics.errors.labels("invalid_request").inc()
         return error_response("invalid_request", str(exc))
-    return JSONResponse({**await config_view(client), "warnings": warnings})
 
 
-class ApiKeyMiddleware:
-    """With keys set: /v1/* and changes to /api/config need a key (WebSockets
-    check it themselves, since browsers cannot set headers there)."""
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+class GuardMiddleware:
+    """Before any route: a state-changing request from a browser page on
+    another origin is refused (403 ``forbidden``); with keys set, /v1/* and
+    changes to /api/config need a key (WebSockets check both themselves,
+    since browsers cannot set headers there)."""
 
     def __init__(self, app: ASGIApp, client: EngineClient) -> None:
         self.app = app
@@ -93,19 +111,35 @@ class ApiKeyMiddleware:
         self.client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.keys and scope["type"] == "http" and self._guarded(scope):
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-            if not key_matches(request_key(headers), self.keys):
-                self.client.metrics.errors.labels("unauthorized").inc()
-                body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["method"] not in SAFE_METHODS:
+            s = self.client.settings
+            why = cross_origin_refusal(headers, s.allowed_origins, s.host_names)
+            if why:
+                self.client.metrics.errors.labels("forbidden").inc()
+                await JSONResponse(error_body("forbidden", why), status_code=403)(scope, receive, send)
                 return
+        if self.keys and self._guarded(scope) and not key_matches(request_key(headers), self.keys):
+            self.client.metrics.errors.labels("unauthorized").inc()
+            body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     @staticmethod
     def _guarded(scope: Scope) -> bool:
         path = scope["path"]
         return path.startswith("/v1/") or (path == "/api/config" and scope["method"] != "GET")
+
+
+def _static_or_not_found(static: ASGIApp, not_found: ASGIApp) -> ASGIApp:
+    async def fallback(scope: Scope, receive: Receive, send: Send) -> None:
+        await (static if scope["type"] == "http" else not_found)(scope, receive, send)
+
+    return fallback
 
 
 def create_app(client: EngineClient) -> Starlette:
@@ -117,6 +151,7 @@ def create_app(client: EngineClient) -> Starlette:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(hub.run)
+                tg.start_soon(client.watchdog)
                 yield
                 tg.cancel_scope.cancel()
         finally:
@@ -133,11 +168,12 @@ def create_app(client: EngineClient) -> Starlette:
         WebSocketRoute("/v1/stream", stream_endpoint),
         WebSocketRoute("/ws/telemetry", telemetry_endpoint),
     ]
-    if WEB_DIR.is_dir():
-        routes.append(Mount("/", StaticFiles(directory=WEB_DIR, html=True)))
-
     app = Starlette(routes=routes, lifespan=lifespan)
+    if WEB_DIR.is_dir():
+        # the dashboard answers only paths no route knows, so a known path
+        # with the wrong method still gets 405 and its Allow header
+        app.router.default = _static_or_not_found(StaticFiles(directory=WEB_DIR, html=True), app.router.not_found)
     app.state.client = client
     app.state.telemetry_hub = hub
-    app.add_middleware(ApiKeyMiddleware, client=client)
+    app.add_middleware(GuardMiddleware, client=client)
     return app

@@ -1,4 +1,4 @@
-"""API keys (constant-time comparison) and the WebSocket Origin allow-list."""
+"""API keys (constant-time comparison) and the Origin allow-list (WebSockets and browser HTTP)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen addresses that name no host
 
 
 def request_key(headers: Mapping[str, str]) -> str | None:
@@ -27,16 +28,35 @@ def key_matches(given: object, keys: tuple[str, ...]) -> bool:
     return found
 
 
-def origin_allowed(headers: Mapping[str, str], allowed: tuple[str, ...]) -> bool:
-    """Browsers send Origin; other clients usually do not (allowed).
+def origin_allowed(origin: str | None, allowed: tuple[str, ...], host_names: tuple[str, ...] = ()) -> bool:
+    """May a browser page from ``origin`` use this server? Non-browser clients
+    send no Origin (allowed).
 
-    With no allow-list, only pages served by this host or by localhost may
-    open a socket, so a random web page cannot drive a local server.
+    With an allow-list, only its origins (``*``: any). Without one, pages
+    served from localhost or from the server's own configured host names:
+    never whatever the request's Host header says, which a DNS-rebinding page
+    controls.
     """
-    origin = headers.get("origin")
     if origin is None:
         return True
     if allowed:
         return origin in allowed or "*" in allowed
     host = urlsplit(origin).hostname or ""
-    return host in LOCAL_HOSTS or origin.split("://", 1)[-1] == headers.get("host", "")
+    return host in LOCAL_HOSTS or host in host_names
+
+
+def cross_origin_refusal(headers: Mapping[str, str], allowed: tuple[str, ...], host_names: tuple[str, ...]) -> str:
+    """Why a state-changing browser request must be refused ("" if it may go on).
+
+    Browsers send Origin with every POST/PUT, so a page elsewhere cannot drive
+    this server with a "simple" request (``text/plain`` needs no preflight);
+    ``Sec-Fetch-Site: cross-site`` without an Origin is refused too.
+    """
+    origin = headers.get("origin")
+    if origin is not None and origin != "null":
+        if origin_allowed(origin, allowed, host_names):
+            return ""
+        return f"origin {origin} is not allowed (serve with --allowed-origin {origin} to allow it)"
+    if origin == "null" or headers.get("sec-fetch-site") == "cross-site":
+        return "cross-site requests are not allowed"
+    return ""

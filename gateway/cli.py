@@ -36,6 +36,7 @@ from core.profiler import (
 from core.request import Request, SamplingParams
 from core.simulator import format_report, load_trace, report, scenario, simulate
 from core.stats import request_timings
+from gateway.auth import WILDCARD_HOSTS
 from gateway.bench import add_bench_args, plot_report, run_bench
 from gateway.bench import format_report as format_bench
 from gateway.engine_client import EngineClient
@@ -245,6 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         slow_consumer_s=args.slow_consumer_s,
         api_keys=keys,
         allowed_origins=tuple(args.allowed_origin or ()),
+        host_names=() if args.host in WILDCARD_HOSTS else (args.host,),
         drain_timeout_s=args.drain_timeout_s,
     )
     facts: dict[str, object] = {}
@@ -294,6 +296,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)  # fewer young collections in the middle of a fan-out burst
     server.run()
+    if client.fatal is not None:
+        sys.exit(f"stallfree: the engine stopped: {client.fatal}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -370,7 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target for --token-budget auto")
     gw = sv.add_argument_group("gateway")
     gw.add_argument("--api-key", action="append", help="require this key (repeatable; also STALLFREE_API_KEYS)")
-    gw.add_argument("--allowed-origin", action="append", help="WebSocket Origin allowed (repeatable)")
+    gw.add_argument(
+        "--allowed-origin",
+        action="append",
+        help="browser origin allowed to use the API and sockets, e.g. http://myhost:8000 (repeatable; "
+        "default: localhost and --host)",
+    )
     gw.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 'overloaded'")
     gw.add_argument("--max-generations-per-connection", type=int, default=32)
     gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")

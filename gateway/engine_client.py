@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import structlog
 
+from core import faults
 from core.engine import Engine, RequestOutput, RequestRejected, StepOutput
 from core.request import Request
 from core.stats import request_timings
@@ -48,11 +49,15 @@ class EngineClient:
         self.telemetry = Telemetry()
         self.tracing = tracing
         self.log_text = log_text  # prompt and completion text in request logs: off unless asked
-        self.step_loop = StepLoop(engine, self._on_step)
+        self.step_loop = StepLoop(engine, self._on_step, self._on_fatal)
         self.accepting = False
+        self.fatal: str | None = None  # why the engine stopped for good, once it has
+        self.on_fatal: Callable[[str], None] | None = None  # the server exits non-zero
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._unstarted: set[str] = set()  # accepted, no first token yet
+        self._tokenizing = 0  # accepted, still being tokenized
         self._ids = itertools.count()
         self._last_submit_ns = 0
 
@@ -76,6 +81,7 @@ class EngineClient:
 
     def stop(self) -> None:
         self.accepting = False
+        self._stopping = True
         self.step_loop.stop()
         if self.tracing is not None:
             self.tracing.shutdown()
@@ -87,7 +93,7 @@ class EngineClient:
     @property
     def ready(self) -> bool:
         """Step thread alive, and (with work in flight) iterating within the last 30 s."""
-        if not self.step_loop.alive:
+        if self.fatal is not None or not self.step_loop.alive:
             return False
         last = max(self.step_loop.last_step_ns, self._last_submit_ns)
         return not self._streams or time.perf_counter_ns() - last < 30e9
@@ -109,11 +115,18 @@ class EngineClient:
     async def submit(self, req: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
         """Queue a request; returns its stream and prompt length. Raises ProtocolError."""
         arrival_ns = time.perf_counter_ns()
+        if self.fatal is not None:
+            raise ProtocolError("unavailable", f"the engine stopped: {self.fatal}")
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down")
-        if len(self._unstarted) >= self.settings.max_waiting:
+        # a request counts as waiting from here: a burst cannot all slip in while tokenizing
+        if len(self._unstarted) + self._tokenizing >= self.settings.max_waiting:
             raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
-        ids = await anyio.to_thread.run_sync(self._tokenize, req)
+        self._tokenizing += 1
+        try:
+            ids = await anyio.to_thread.run_sync(self._tokenize, req)
+        finally:
+            self._tokenizing -= 1
         sampling = req.sampling
         limit = self.engine.config.max_model_len
         if not req.max_tokens_given:
@@ -156,6 +169,35 @@ class EngineClient:
         if request_id in self._streams:
             self.step_loop.abort(request_id)
 
+    # -- health --------------------------------------------------------------
+    async def watchdog(self, period_s: float = 1.0) -> None:
+        """Notices a step thread that died or an iteration that never ends."""
+        while True:
+            await anyio.sleep(period_s)
+            if self.fatal is not None or self._stopping:
+                continue
+            busy = self.step_loop.busy_since_ns
+            if not self.step_loop.alive:
+                self._fail_engine("the step thread exited")
+            elif busy and time.perf_counter_ns() - busy > self.settings.stuck_iteration_s * 1e9:
+                self._fail_engine(f"an iteration has run for over {self.settings.stuck_iteration_s:g} s")
+
+    def _on_fatal(self, reason: str) -> None:
+        """Step thread: the engine stopped for good."""
+        self._call_soon(self._fail_engine, reason)
+
+    def _fail_engine(self, reason: str) -> None:
+        """Loop: every stream gets its error, new requests get 503, the server exits non-zero."""
+        if self.fatal is not None:
+            return
+        self.fatal = reason
+        self.accepting = False
+        log.critical("engine_failed", reason=reason, in_flight=len(self._streams))
+        for request_id in list(self._streams):
+            self._fail(request_id, "error")
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
     # -- step thread -> loop -----------------------------------------------
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -168,11 +210,18 @@ class EngineClient:
     def _fan_out(self, out: StepOutput) -> None:
         it = out.iteration
         emit_ns = it.end_ns if it is not None else time.perf_counter_ns()
+        try:
+            self.metrics.observe_counts(out.counts)
+        except Exception:
+            log.exception("metrics_failed")
         if it is not None:
-            self.metrics.observe_iteration(it)
-            self.telemetry.on_iteration(it)
-            if self.tracing is not None:
-                self.tracing.iteration(it)
+            try:
+                self.metrics.observe_iteration(it)
+                self.telemetry.on_iteration(it)
+                if self.tracing is not None:
+                    self.tracing.iteration(it)
+            except Exception:  # observers must never cost anybody their tokens
+                log.exception("iteration_observers_failed", iteration=it.iteration)
         for o in out.outputs:
             try:
                 self._deliver(o, emit_ns)
@@ -181,6 +230,7 @@ class EngineClient:
                 self._fail(o.request_id, "error")
 
     def _deliver(self, o: RequestOutput, emit_ns: int) -> None:
+        faults.point("fan_out")
         if o.finish_reason is not None and o.request is not None:
             self._finished(o.request, o.finish_reason)
         stream = self._streams.get(o.request_id)
@@ -195,6 +245,7 @@ class EngineClient:
             stream.last_emit_ns = emit_ns
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
             log.warning("slow_consumer", request_id=o.request_id)
+            self.metrics.slow_consumers.inc()
             self._fail(o.request_id, SLOW_CONSUMER)
         elif o.finish_reason is not None:
             del self._streams[o.request_id]

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 
 from core.batch import IterationRecord
 from core.config import CHUNKING_MODES
+from core.engine import Counts
 from core.request import Request
 from core.stats import gaps_ns
 
@@ -71,19 +72,25 @@ class Metrics:
         self.finished = Counter("stallfree_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.aborts = Counter("stallfree_aborts", "Requests aborted (cancel, disconnect, stop string)", registry=r)
         self.errors = Counter("stallfree_errors", "Errors returned to clients, by code", ["code"], registry=r)
+        self.slow_consumers = Counter(
+            "stallfree_slow_consumer_cutoffs", "Streams cut off because their reader fell behind", registry=r
+        )
 
     def observe_iteration(self, it: IterationRecord) -> None:
         self.iteration.observe(it.duration_ns / 1e9)
-        self.running.set(it.num_running)
-        self.waiting.set(it.num_waiting)
-        self.partial.set(it.num_partial_prefills)
-        self.kv_blocks.labels("used").set(it.kv_used_blocks)
-        self.kv_blocks.labels("free").set(it.kv_free_blocks)
-        self.kv_blocks.labels("cached").set(it.kv_cached_blocks)
         self.token_budget.set(it.token_budget)
         self.chunking.state(it.chunking)
         if it.preemptions:
             self.preemptions.inc(it.preemptions)
+
+    def observe_counts(self, c: Counts) -> None:
+        """After every engine step, including the ones that only report aborts."""
+        self.running.set(c.running)
+        self.waiting.set(c.waiting)
+        self.partial.set(c.partial_prefills)
+        self.kv_blocks.labels("used").set(c.kv_used_blocks)
+        self.kv_blocks.labels("free").set(c.kv_free_blocks)
+        self.kv_blocks.labels("cached").set(c.kv_cached_blocks)
 
     def observe_tokens(self, count: int, gap_s: float | None) -> None:
         """Tokens one request got in one iteration; gap_s since its previous ones."""

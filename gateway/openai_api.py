@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, text_pieces
-from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, error_body, parse_generate
+from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "suffix", "best_of")
 
@@ -28,12 +28,17 @@ def error_response(code: str, message: str) -> JSONResponse:
     return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 400))
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object: at most ``limit`` bytes, all of it within
+    ``timeout_s`` (a client trickling its body cannot hold a slot forever)."""
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
+    with anyio.move_on_after(timeout_s) as scope:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
+    if scope.cancelled_caught:
+        raise ProtocolError("timeout", f"request body not received within {timeout_s:g} s")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -50,6 +55,17 @@ async def models(request: Request) -> Response:
 
 
 def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRequest:
+    boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), (bool, type(None)))
+    ):
+        raise ProtocolError("invalid_request", "stream_options must be {include_usage: true or false}")
+    for name in ("model", "user"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ProtocolError("invalid_request", f"{name} must be a string")
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, [], 0):
             raise ProtocolError("invalid_request", f"{name} is not supported")
@@ -81,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
 async def _handle(request: Request, chat: bool) -> Response:
     client: EngineClient = request.app.state.client
     try:
-        body = await read_json(request, client.settings.max_body_bytes)
+        body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
         req = _parse(body, client, chat)
         if req.traceparent is None:
             req.traceparent = request.headers.get("traceparent")
@@ -95,8 +111,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     pieces = text_pieces(stream, maker)
     shape = _Shape(request_id, model, chat, prompt_tokens)
     if body.get("stream"):
-        options = body.get("stream_options") or {}
-        usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
             _sse(client, request_id, pieces, shape, usage),
             media_type="text/event-stream",
@@ -148,7 +163,10 @@ class _Shape:
 
 
 def _finish(piece: Piece) -> str:
-    return "length" if piece.finish_reason == "length" else "stop"
+    """``stop``, ``length``, or ``cancelled`` for a request cancelled by the
+    server (drain on shutdown): never ``stop`` for text that did not end.
+    OpenAI's Python and JS clients pass finish reasons through unvalidated."""
+    return piece.finish_reason or "stop"
 
 
 async def _sse(

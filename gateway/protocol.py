@@ -13,7 +13,17 @@ from typing import Any
 
 from core.request import SamplingParams
 
-ERROR_CODES = ("invalid_request", "prompt_too_long", "overloaded", "unauthorized", "slow_consumer", "internal")
+ERROR_CODES = (
+    "invalid_request",
+    "prompt_too_long",
+    "overloaded",
+    "unauthorized",
+    "forbidden",
+    "slow_consumer",
+    "timeout",
+    "internal",
+    "unavailable",
+)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_STRINGS = 16
 MAX_ID_CHARS = 128
@@ -38,16 +48,18 @@ class GenerateRequest:
 
 
 def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
-    value = body.get(name, default)
+    """An integer field; absent or null means the default."""
+    value = body.get(name)
     if value is None:
-        return None
+        return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ProtocolError("invalid_request", f"{name} must be an integer in [{low}, {high}]")
     return value
 
 
 def _float(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name, default)
+    """A number field; absent or null means the default."""
+    value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -55,6 +67,16 @@ def _float(body: dict[str, Any], name: str, default: float, low: float, high: fl
     if not low <= value <= high:
         raise ProtocolError("invalid_request", f"{name} must be in [{low}, {high}]")
     return float(value)
+
+
+def boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A true/false field; absent or null means the default (no "yes", no 1)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError("invalid_request", f"{name} must be true or false")
+    return value
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -104,9 +126,7 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         raise ProtocolError("invalid_request", "prompt must be a string")
     max_tokens = _int(body, "max_tokens", defaults.get("max_tokens"), 1, max_model_len)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ProtocolError("invalid_request", "ignore_eos must be a boolean")
+    ignore_eos = boolean(body, "ignore_eos")
     traceparent = body.get("traceparent")
     if traceparent is not None and not isinstance(traceparent, str):
         raise ProtocolError("invalid_request", "traceparent must be a string")
@@ -125,7 +145,13 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
 
 def error_body(code: str, message: str) -> dict[str, Any]:
     """OpenAI's error shape."""
-    kind = {"unauthorized": "authentication_error", "overloaded": "rate_limit_error", "internal": "server_error"}
+    kind = {
+        "unauthorized": "authentication_error",
+        "forbidden": "permission_error",
+        "overloaded": "rate_limit_error",
+        "internal": "server_error",
+        "unavailable": "server_error",
+    }
     return {"error": {"message": message, "type": kind.get(code, "invalid_request_error"), "param": None, "code": code}}
 
 
@@ -133,7 +159,10 @@ HTTP_STATUS = {
     "invalid_request": 400,
     "prompt_too_long": 400,
     "unauthorized": 401,
+    "forbidden": 403,
     "overloaded": 429,
     "slow_consumer": 408,
+    "timeout": 408,
     "internal": 500,
+    "unavailable": 503,
 }

@@ -3,6 +3,9 @@
 On SIGTERM/SIGINT the server stops admitting, lets in-flight requests finish
 for ``drain_timeout_s``, cancels the rest (clients get their ``done``/error
 frame), then stops uvicorn and the step thread. A second signal exits at once.
+If the engine stops for good (see ``EngineClient.fatal``), every stream has
+had its error and the server shuts down with exit status 1, for a supervisor
+to restart it.
 """
 
 from __future__ import annotations
@@ -11,14 +14,36 @@ import asyncio
 import socket
 from types import FrameType
 
+import orjson
 import structlog
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.frames import CloseCode, Frame, Opcode
 
 from core.engine import Engine
 from gateway.app import create_app
 from gateway.engine_client import EngineClient
 
 log = structlog.get_logger(__name__)
+
+
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O WebSocket protocol, plus: a frame over the protocol's
+    size cap (4x ``max_frame_bytes``; frames between the two get an error and
+    the socket stays open) gets an ``invalid_request`` error frame before the
+    1009 close, so the client learns why."""
+
+    def handle_parser_exception(self) -> None:
+        closing = self.conn.close_sent
+        if closing is not None and closing.code == CloseCode.MESSAGE_TOO_BIG:
+            error = {
+                "type": "error",
+                "id": None,
+                "code": "invalid_request",
+                "message": f"frame too large: {closing.reason}",
+            }
+            self.transport.write(Frame(Opcode.TEXT, orjson.dumps(error)).serialize(mask=False))
+        super().handle_parser_exception()
 
 
 class DrainingServer(uvicorn.Server):
@@ -28,6 +53,12 @@ class DrainingServer(uvicorn.Server):
         self.send_buffer_bytes = send_buffer_bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        client.on_fatal = self._engine_failed
+
+    def _engine_failed(self, reason: str) -> None:
+        """Exit soon, not at once: error frames flush and health probes see the 503."""
+        assert self._loop is not None
+        self._loop.call_later(self.client.settings.fatal_exit_delay_s, setattr, self, "should_exit", True)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -60,7 +91,7 @@ def make_server(
         create_app(client),
         host=host,
         port=port,
-        ws="websockets-sansio",
+        ws=WebSocketProtocol,
         ws_max_size=client.settings.max_frame_bytes * 4,  # larger frames get our own error, not a closed socket
         ws_per_message_deflate=False,  # compressing every tiny token frame costs more than it saves
         log_level=log_level,

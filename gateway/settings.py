@@ -13,12 +13,19 @@ class GatewaySettings:
     # input size limits
     max_frame_bytes: int = 1 << 20  # WebSocket text frame
     max_body_bytes: int = 1 << 20  # HTTP request body
+    body_timeout_s: float = 30.0  # the whole HTTP request body must arrive within this (else 408 timeout)
     # streaming
     stream_queue_frames: int = 64  # per-request queue; beyond it tokens coalesce into one frame
     slow_consumer_s: float = 30.0  # a stream with unread tokens this old is cancelled (slow_consumer)
     # security
     api_keys: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()  # WebSocket Origin allow-list; empty: same host and localhost only
+    auth_timeout_s: float = 10.0  # with keys set, a socket without one is closed after this
+    # browser origins allowed to open sockets and send POST/PUT; empty: localhost and host_names only
+    allowed_origins: tuple[str, ...] = ()
+    host_names: tuple[str, ...] = ()  # the names this server is configured to answer as (--host)
+    # health
+    stuck_iteration_s: float = 300.0  # an iteration running longer than this is a hung engine: exit non-zero
+    fatal_exit_delay_s: float = 2.0  # a failed engine's server answers 503 this long, then exits non-zero
     # shutdown
     drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT, in-flight requests get this long to finish
     model_name: str = "stallfree"  # the id /v1/models reports

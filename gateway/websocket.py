@@ -11,6 +11,7 @@ per generation), detokenizes synchronously and writes the frames.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from core.stats import request_timings
 from gateway.auth import key_matches, origin_allowed, request_key
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
-from gateway.protocol import ProtocolError, parse_generate
+from gateway.protocol import ProtocolError, boolean, parse_generate
 from gateway.streams import RequestStream
 
 log = structlog.get_logger(__name__)
@@ -70,8 +71,15 @@ class Connection:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
             try:
+                auth_deadline = anyio.current_time() + self.settings.auth_timeout_s
                 while True:
-                    message = await self.ws.receive()
+                    message = None
+                    with anyio.move_on_after(auth_deadline - anyio.current_time() if not authed else math.inf):
+                        message = await self.ws.receive()
+                    if message is None:  # no key in time: the socket does not stay open for free
+                        await self.error("unauthorized", f"no API key within {self.settings.auth_timeout_s:g} s")
+                        await self.ws.close(code=1008)
+                        break
                     if message["type"] == "websocket.disconnect":
                         break
                     frame = await self._parse(message)
@@ -147,6 +155,7 @@ class Connection:
         gen = self.gens[gen_id]
         try:
             req = parse_generate(frame, WS_DEFAULTS, self.client.engine.config.max_model_len)
+            timestamps = boolean(frame, "timestamps")
             if req.traceparent is None:
                 req.traceparent = self.ws.headers.get("traceparent")
             request_id = self.client.new_id("ws")
@@ -156,7 +165,7 @@ class Connection:
             await self.error(exc.code, exc.message, gen_id)
             return
         gen.request_id, gen.stream = request_id, stream
-        gen.timestamps = frame.get("timestamps") is True
+        gen.timestamps = timestamps
         gen.maker = PieceMaker(
             self.client.tokenizer.token_bytes, req.sampling.stop, lambda: self.client.cancel(request_id)
         )
@@ -222,7 +231,7 @@ def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int)
 
 async def stream_endpoint(ws: WebSocket) -> None:
     client: EngineClient = ws.app.state.client
-    if not origin_allowed(ws.headers, client.settings.allowed_origins):
+    if not origin_allowed(ws.headers.get("origin"), client.settings.allowed_origins, client.settings.host_names):
         await ws.close(code=1008)
         return
     await ws.accept()
