@@ -8,10 +8,18 @@ from dataclasses import dataclass
 from typing import Any
 
 CHUNKING_MODES = ("stall_free", "none", "decode_first")
-POLICIES = ("fcfs", "sjf", "lpm", "priority")
+POLICIES = ("fcfs", "sjf", "lpm", "priority", "fair")
 
 # Settings the step thread may change between iterations (PUT /api/config).
-LIVE_SETTINGS = ("chunking", "token_budget", "policy", "max_partial_prefills", "dynamic_chunking", "max_defer_s")
+LIVE_SETTINGS = (
+    "chunking",
+    "token_budget",
+    "policy",
+    "max_partial_prefills",
+    "dynamic_chunking",
+    "max_defer_s",
+    "long_prefill_tokens",
+)
 
 
 # setting -> (type, low, high) for numbers; (str, allowed values, None); (bool, None, None)
@@ -25,6 +33,7 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
     "max_defer_s": (float, 0.001, 86400.0),
     "dynamic_chunking": (bool, None, None),
     "decode_reserve_tokens": (int, 0, 1 << 20),
+    "long_prefill_tokens": (int, 0, 1 << 24),
 }
 
 
@@ -53,6 +62,10 @@ class SchedulerConfig:
     # max_tokens) beyond the prompt, so admitted prompts can start decoding
     # without preempting anybody.
     decode_reserve_tokens: int = 64
+    # A prompt with more tokens than this still to prefill is "long": short
+    # prompts' chunks go first, a quarter of the leftover budget stays with the
+    # long ones. 0: the token budget; at least the context length: off.
+    long_prefill_tokens: int = 0
 
     @property
     def min_token_budget(self) -> int:

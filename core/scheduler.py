@@ -2,19 +2,25 @@
 
 Each iteration, in ``stall_free`` mode, three passes fill one token budget:
 
-1. every running decode gets its token(s), oldest first; a decode that needs a
-   KV block when none is free preempts the newest decode (recompute);
+1. every running decode gets its token(s), highest priority then oldest
+   first; a decode that needs a KV block when none is free preempts the
+   lowest-priority, newest decode (recompute);
 2. partially prefilled prompts get their next chunk, oldest first;
 3. waiting prompts are admitted in policy order while budget, ``max_num_seqs``
    and KV room (the prompt's final footprint) remain; a prompt that does not
    fit contributes a chunk and carries over.
+
+In ``stall_free`` mode passes 2 and 3 run for short prompts first, then for long ones (more than
+``long_prefill_tokens`` still to prefill): a short prompt arriving behind a
+long one is admitted in the next iteration instead of after the long one's
+whole prefill, while a quarter of the leftover budget stays with the long one.
 
 Pure Python: it decides, the runner computes.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from core import faults
@@ -52,6 +58,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # tokens computed per tenant (the fair policy's virtual token counter)
+        self.served: dict[str, int] = {}
+        self._active: Counter[str] = Counter()  # tenant -> its requests in the engine
         self._iteration = 0
         # recent iterations that ran prefill chunks: (iteration, ids of the requests chunked)
         self._prefill_log: deque[tuple[int, frozenset[str]]] = deque(maxlen=4096)
@@ -60,6 +69,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.tenant not in self._active:
+            # a tenant coming back starts level with the least-served active one:
+            # idle time banks no credit (VTC's counter lift)
+            floor = min((self.served.get(t, 0) for t in self._active), default=0)
+            self.served[req.tenant] = max(self.served.get(req.tenant, 0), floor)
+        self._active[req.tenant] += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -79,7 +94,10 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         req.timeline.finished_ns = now_ns
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self._active[req.tenant] -= 1
+            if not self._active[req.tenant]:
+                del self._active[req.tenant]
 
     @property
     def has_work(self) -> bool:
@@ -113,22 +131,59 @@ class Scheduler:
                 self._decode(batch, budget)
             return batch
         left = self._decode(batch, budget)
-        left = self._prefill_running(batch, left, whole=False)
-        if mode == "stall_free" or not any(r.status == RequestStatus.DECODING for r in self.running):
-            self._admit(batch, left, now_ns, whole=False)
+        if mode == "stall_free":
+            self._prefill(batch, left, now_ns)
+        else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
+            left = self._prefill_running(batch, left, whole=False)
+            if not any(r.status == RequestStatus.DECODING for r in self.running):
+                self._admit(batch, left, now_ns, whole=False)
         return batch
+
+    def _prefill(self, batch: Batch, left: int, now_ns: int) -> None:
+        """Passes 2 and 3, short prompts first: partial then new short prefills
+        take the leftover budget before long ones, so a short prompt never
+        waits for a long prompt's whole prefill; while a long prompt is
+        prefilling (or waiting), a quarter of the leftover is kept for it, so
+        it progresses every iteration. While a request waits past
+        ``max_defer_s``, admission follows policy order (the starvation
+        ceiling puts it first) after all partial prefills."""
+        limit = self.config.long_prefill_tokens or self.config.token_budget
+
+        def long(r: Request) -> bool:
+            return r.num_tokens - r.num_computed_tokens > limit
+
+        def short(r: Request) -> bool:
+            return not long(r)
+
+        candidates = [r for r in self.running if r.status == RequestStatus.PREFILLING] + self.waiting
+        floor = min(left, max(1, left // 4)) if any(map(long, candidates)) else 0
+        short_left = self._prefill_running(batch, left - floor, whole=False, which=short)
+        if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
+            left = self._prefill_running(batch, floor + short_left, whole=False, which=long)
+            self._admit(batch, left, now_ns, whole=False)
+            return
+        short_left = self._admit(batch, short_left, now_ns, whole=False, which=short)
+        left = self._prefill_running(batch, floor + short_left, whole=False, which=long)
+        self._admit(batch, left, now_ns, whole=False, which=long)
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one step for every running decode (counting any extra
-        verification tokens), preempting the newest decodes for KV room."""
-        for req in list(self.running):
+        verification tokens), highest priority first; a decode that needs a
+        KV block when none is free preempts the lowest-priority (then newest)
+        decode. Served in that order, a victim is never one already served."""
+        order = {id(r): i for i, r in enumerate(self.running)}
+
+        def rank(r: Request) -> tuple[int, int]:
+            return r.priority, order[id(r)]
+
+        for req in sorted((r for r in self.running if r.status == RequestStatus.DECODING), key=rank):
             if req.status != RequestStatus.DECODING:
-                continue  # prefilling, or preempted earlier in this loop
+                continue  # preempted earlier in this loop
             n = req.num_pending_tokens
             if n > left:
                 break
             while not self.kv.allocate(req, n):
-                victim = next(r for r in reversed(self.running) if r.status == RequestStatus.DECODING)
+                victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
                 self._preempt(victim, batch)
                 if victim is req:
                     break
@@ -137,12 +192,12 @@ class Scheduler:
                 left -= n
         return left
 
-    def _prefill_running(self, batch: Batch, left: int, whole: bool) -> int:
-        """Pass 2: the next chunk of each partially prefilled prompt."""
+    def _prefill_running(self, batch: Batch, left: int, whole: bool, which: Callable[[Request], bool] = bool) -> int:
+        """Pass 2: the next chunk of each partially prefilled prompt (of those ``which`` selects)."""
         for req in self.running:
             if left == 0:
                 break
-            if req.status != RequestStatus.PREFILLING:
+            if req.status != RequestStatus.PREFILLING or not which(req):
                 continue
             n = self._chunk(req, req.num_pending_tokens, left, whole)
             if n == 0:
@@ -153,17 +208,22 @@ class Scheduler:
             left -= n
         return left
 
-    def _admit(self, batch: Batch, left: int, now_ns: int, whole: bool) -> None:
-        """Pass 3: new (or preempted) requests in policy order."""
+    def _admit(self, batch: Batch, left: int, now_ns: int, whole: bool, which: Callable[[Request], bool] = bool) -> int:
+        """Pass 3: new (or preempted) requests in policy order (of those ``which`` selects)."""
         cfg = self.config
         if not self.waiting or left == 0:
-            return
+            return left
         finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
         partial = sum(1 for r in self.running if r.status == RequestStatus.PREFILLING and r not in finishing)
         admitted = []
-        for req in order_waiting(self.waiting, cfg.policy, now_ns, cfg.max_defer_s, self.kv.cached_prefix_tokens):
+        ordered = order_waiting(
+            self.waiting, cfg.policy, now_ns, cfg.max_defer_s, self.kv.cached_prefix_tokens, self.served
+        )
+        for req in ordered:
             if left == 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if not which(req):
+                continue
             pending = req.num_tokens - self.kv.cached_prefix_tokens(req)
             n = self._chunk(req, pending, left, whole)
             if n == 0:
@@ -185,6 +245,7 @@ class Scheduler:
         if admitted:
             taken = set(admitted)
             self.waiting = [r for r in self.waiting if r not in taken]
+        return left
 
     def _chunk(self, req: Request, pending: int, left: int, whole: bool) -> int:
         if whole:
@@ -221,6 +282,7 @@ class Scheduler:
             req = item.request
             samples = item.samples
             req.num_computed_tokens += item.num_tokens
+            self.served[req.tenant] = self.served.get(req.tenant, 0) + item.num_tokens
             tl = req.timeline
             if tl.scheduled_ns is None:
                 tl.scheduled_ns = start_ns

@@ -63,10 +63,11 @@ def sim_server(time_scale: float = 0.02, settings: GatewaySettings | None = None
     return RunningServer(engine, tokenizer, settings)
 
 
-def tiny_server(settings: GatewaySettings | None = None) -> RunningServer:
+def tiny_server(settings: GatewaySettings | None = None, **sched) -> RunningServer:
     loaded = load_tiny()
     runner = ModelRunner(loaded, 512, 16, torch.float32, torch.device("cpu"))
-    engine = Engine(SchedulerConfig(max_num_seqs=16, max_model_len=1024), CacheConfig(512, 16), runner)
+    sched = {"max_num_seqs": 16, "max_model_len": 1024, **sched}
+    engine = Engine(SchedulerConfig(**sched), CacheConfig(512, 16), runner)
     return RunningServer(engine, loaded.tokenizer, settings)
 
 

@@ -255,3 +255,23 @@ async def test_tiny_model_streams_over_websocket():
         assert server.wait_kv_baseline() == 0
     finally:
         server.stop()
+
+
+async def test_short_prompts_get_their_first_token_before_a_long_prefill_ends():
+    """The tiny model at budget 32: an 800-token prompt takes ~25 iterations to
+    prefill; short prompts sent right after it start within a couple."""
+    server = tiny_server(token_budget=32)
+    try:
+        async with connect(server.ws_url) as ws:
+            await send(ws, type="generate", id="long", prompt="hello " * 800, max_tokens=4)
+            assert (await recv(ws))["type"] == "accepted"
+            for i in range(3):
+                await send(ws, type="generate", id=f"s{i}", prompt=f"short question {i}", max_tokens=4)
+            first_token = []
+            while len(first_token) < 4:
+                f = await recv(ws)
+                if f["type"] == "token" and f["id"] not in first_token:
+                    first_token.append(f["id"])
+        assert first_token[-1] == "long", first_token
+    finally:
+        server.stop()

@@ -59,8 +59,8 @@ def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk():
         e.add_request(request(rid, 100))
     e.add_request(request("short", 3))
     items = step_items(e)
-    # long3 would be a third partial prefill, so it waits; short finishes in its chunk, so it goes
-    assert items == [("long1", 10, True), ("long2", 10, True), ("short", 3, True)]
+    # short goes first; long3 would be a third partial prefill, so it waits
+    assert items == [("short", 3, True), ("long1", 10, True), ("long2", 10, True)]
     assert e.scheduler.num_partial_prefills == 2
     items = step_items(e)
     assert [i[0] for i in items] == ["short", "long1", "long2"]
@@ -71,7 +71,9 @@ def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk():
 
 def test_kv_admission_checks_final_footprint():
     # 12 blocks of 4 tokens = 48 tokens of KV
-    e = sim_engine(num_blocks=12, block_size=4, token_budget=24, max_num_seqs=8, decode_reserve_tokens=4)
+    e = sim_engine(
+        num_blocks=12, block_size=4, token_budget=24, max_num_seqs=8, decode_reserve_tokens=4, long_prefill_tokens=64
+    )
     e.add_request(request("a", 30, max_tokens=4))  # footprint 34 tokens -> 9 blocks
     e.add_request(request("b", 12, max_tokens=4))  # footprint 16 -> 4 blocks: would not fit next to a
     items = step_items(e)
@@ -166,7 +168,7 @@ def test_budget_clamped_with_warning():
 
 @pytest.mark.parametrize(
     ("policy", "expected"),
-    [("fcfs", "a"), ("sjf", "c"), ("priority", "b")],
+    [("fcfs", "a"), ("sjf", "c"), ("priority", "b"), ("fair", "a")],
 )
 def test_waiting_policies(policy, expected):
     e = sim_engine(token_budget=24, max_num_seqs=1, policy=policy)
@@ -280,3 +282,68 @@ def test_requests_that_can_never_run_are_refused():
     e.add_request(request("ok", 4))
     with pytest.raises(ValueError, match="duplicate"):
         e.add_request(request("ok", 4))
+
+
+def test_short_prompts_go_before_a_long_prefill_which_keeps_a_quarter():
+    e = sim_engine(token_budget=40, max_num_seqs=8)
+    start_decoding(e, "d1", "d2")
+    e.add_request(request("long", 200))
+    assert step_items(e)[2] == ("long", 38, True)  # alone, it takes all the leftover
+    e.add_request(request("s1", 10))
+    e.add_request(request("s2", 30))
+    items = step_items(e)
+    # shorts first within 38 - 9 (a quarter kept for the long prompt); s2 gets the rest of that
+    assert items[2:] == [("s1", 10, True), ("s2", 19, True), ("long", 9, True)]
+    items = step_items(e)
+    assert items[3:] == [("s2", 11, True), ("long", 26, True)]  # s1 decodes now: 3 decodes, 37 left
+
+
+def test_long_prompt_progresses_every_iteration_under_a_flood_of_short_ones():
+    e = sim_engine(token_budget=40, max_num_seqs=16, num_blocks=2048)
+    e.add_request(request("long", 400, max_tokens=1))
+    step_items(e)
+    for i in range(30):
+        e.add_request(request(f"s{i}", 12, max_tokens=1))
+    for _ in range(8):
+        chunks = {rid: n for rid, n, is_prefill in step_items(e) if is_prefill}
+        assert chunks["long"] >= 40 // 4  # its quarter of the leftover, every iteration
+        assert sum(chunks.values()) == 40
+
+
+def test_long_prefill_threshold_is_live_and_can_be_turned_off():
+    e = sim_engine(token_budget=40, max_num_seqs=8)
+    e.add_request(request("long", 200))
+    step_items(e)
+    assert e.reconfigure({"long_prefill_tokens": 10_000}) == []
+    e.add_request(request("short", 10))
+    assert [rid for rid, _, _ in step_items(e)] == ["long"]  # the old order: oldest partial first
+
+
+def test_preemption_takes_the_lowest_priority_then_the_newest():
+    e = sim_engine(num_blocks=12, block_size=4, token_budget=32, max_num_seqs=8, decode_reserve_tokens=0)
+    for rid, priority in (("urgent", -1), ("normal", 0), ("batch", 5), ("newest", 0)):
+        e.add_request(request(rid, 6, max_tokens=40, priority=priority))
+    preempted = []
+    while e.has_work and len(preempted) < 2:
+        before = {r.request_id: r.num_preemptions for r in e.scheduler.requests.values()}
+        e.step()
+        preempted += [
+            r.request_id for r in e.scheduler.requests.values() if r.num_preemptions > before.get(r.request_id, 0)
+        ]
+    assert preempted[:2] == ["batch", "newest"]
+
+
+def test_fair_policy_serves_the_tenant_with_the_fewest_tokens_first():
+    e = sim_engine(token_budget=24, max_num_seqs=1, policy="fair")
+    for i in range(4):
+        r = request(f"flood{i}", 20, max_tokens=1, arrival_ns=i)
+        r.tenant = "flood"
+        e.add_request(r)
+    while "flood0" in e.scheduler.requests:
+        e.step()
+    late = request("polite", 20, max_tokens=1, arrival_ns=10)
+    late.tenant = "polite"
+    e.add_request(late)  # three flood prompts were waiting before it
+    assert e.scheduler.served["polite"] == e.scheduler.served["flood"]  # lifted: idle time banks no credit
+    finished = [o.request_id for out in run_to_completion(e) for o in out.outputs if o.finish_reason]
+    assert finished == ["flood1", "polite", "flood2", "flood3"]  # the tie went to the older prompt, then polite

@@ -9,7 +9,10 @@ every iteration:
 - partial prefills stay within max_partial_prefills;
 - while an overdue request (waited > max_defer_s) waits, nothing younger is
   admitted ahead of it unless that one finishes its prompt in the same chunk;
-- KV blocks always cover computed tokens, and all return when the run ends.
+- KV blocks always cover computed tokens, and all return when the run ends;
+- the oldest long partial prefill gets a chunk in every iteration that has
+  budget left after the decodes (short prompts go first, never all of it);
+- a preempted decode never has higher priority than one that was served.
 And: chunked, unchunked and decode-first runs, roomy or tight KV (with
 preemption), give identical token streams.
 """
@@ -118,7 +121,16 @@ def invariants(e, schedule):
         cfg = cfg_holder.config
         decoding = {r for r in cfg_holder.running if r.status == RequestStatus.DECODING}
         waiting_before = set(cfg_holder.waiting)
+        limit = cfg.long_prefill_tokens or cfg.token_budget
+        long_partial = [
+            r for r in cfg_holder.running if r.status == RequestStatus.PREFILLING and r.num_pending_tokens > limit
+        ]
         batch = schedule(now_ns)
+        if cfg.chunking == "stall_free" and long_partial and batch.decode_tokens < cfg.token_budget:
+            assert any(i.request is long_partial[0] for i in batch.items), "a long prefill starved"
+        served = [i.request for i in batch.items if not i.is_prefill]
+        for victim in batch.preempted:
+            assert all(victim.priority >= r.priority for r in served), "preempted ahead of lower priority"
         cap = max(cfg.token_budget, cfg.max_model_len) if cfg.chunking == "none" else cfg.token_budget
         assert batch.num_tokens <= cap
         if cfg.chunking == "stall_free":
