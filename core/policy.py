@@ -2,12 +2,17 @@
 
 Every policy honours the starvation ceiling: a request that has waited longer
 than ``max_defer_s`` goes ahead of everything else (oldest first), so
-``sjf``/``lpm``/``priority`` can reorder but never starve.
+``sjf``/``lpm``/``priority``/``fair`` can reorder but never starve.
+
+``fair`` shares the engine across tenants (API keys): the tenant served the
+fewest tokens so far goes first, a virtual token counter as in the VTC paper
+(Sheng et al., OSDI '24), so one key flooding long prompts cannot take
+everybody else's time to first token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from core.request import Request
 
@@ -23,6 +28,7 @@ def order_waiting(
     now_ns: int,
     max_defer_s: float,
     cached_prefix_tokens: Callable[[Request], int],
+    served: Mapping[str, int],
 ) -> list[Request]:
     deadline = now_ns - int(max_defer_s * 1e9)
     overdue = sorted((r for r in waiting if r.arrival_ns < deadline), key=lambda r: r.arrival_ns)
@@ -33,6 +39,8 @@ def order_waiting(
         rest.sort(key=lambda r: (-cached_prefix_tokens(r), r.arrival_ns))
     elif policy == "priority":
         rest.sort(key=lambda r: (r.priority, r.arrival_ns))
+    elif policy == "fair":
+        rest.sort(key=lambda r: (served.get(r.tenant, 0), r.arrival_ns))
     else:
         rest.sort(key=lambda r: r.arrival_ns)
     return overdue + rest

@@ -97,6 +97,7 @@ class Request:
     sampling: SamplingParams
     arrival_ns: int
     priority: int = 0  # lower runs earlier, as in vLLM
+    tenant: str = ""  # who pays: the API key's id (the fair policy shares the engine between tenants)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

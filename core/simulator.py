@@ -40,6 +40,7 @@ class Arrival:
     prompt: list[int]
     max_tokens: int
     priority: int = 0
+    tenant: str = ""
 
 
 def _tokens(seed: Any, n: int) -> list[int]:
@@ -95,16 +96,35 @@ def scenario(name: str) -> tuple[list[Arrival], dict[str, Any]]:
       budget 576 = 64 decode tokens + one 512-token chunk.
     burst: the article's burst: the same 64 decoders, then ten 8,192-token
       prompts at once.
+    short-behind-long: the same 64 decoders; a 32,768-token prompt L at
+      0.2 s, then ten 200-token prompts S* from 0.25 s, one every 50 ms.
+    multi-tenant: tenant "flood" sends 300 prompts of 500 tokens at once at
+      0.1 s; tenants t1..t4 each send one like it every 0.25 s (64 output
+      tokens each, at most 64 running).
     """
     decoders = [make_arrival(0.0, "B" if i == 0 else f"D{i}", 32, 120) for i in range(64)]
     settings = {"token_budget": 576, "max_num_seqs": 128, "max_model_len": 16384}
+    if name == "short-behind-long":
+        shorts = [make_arrival(0.25 + 0.05 * i, f"S{i}", 200, 16) for i in range(10)]
+        return [*decoders, make_arrival(0.2, "L", 32768, 8), *shorts], settings | {"max_model_len": 40000}
+    if name == "multi-tenant":
+        flood = [make_arrival(0.1, f"F{i}", 500, 64) for i in range(300)]
+        for a in flood:
+            a.tenant = "flood"
+        small = [make_arrival(0.25 * k, f"t{t}-{k}", 500, 64) for k in range(1, 20) for t in range(1, 5)]
+        for a in small:
+            a.tenant = a.request_id.split("-")[0]
+        return flood + small, settings | {"max_num_seqs": 64}
     if name == "seed-figure3":
         return [*decoders, make_arrival(0.2, "A", 8192, 16)], settings
     if name == "burst":
         for a in decoders:
             a.max_tokens = 400
         return decoders + [make_arrival(0.2, f"L{i}", 8192, 8) for i in range(10)], settings
-    raise ValueError(f"unknown scenario {name!r} (seed-figure3, burst)")
+    raise ValueError(f"unknown scenario {name!r} ({', '.join(SCENARIOS)})")
+
+
+SCENARIOS = ("seed-figure3", "burst", "short-behind-long", "multi-tenant")
 
 
 @dataclass(slots=True)
@@ -127,9 +147,8 @@ def simulate(arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: Cac
             clock.now_ns = max(clock.now_ns, int(pending[i].at_s * 1e9))
         while i < len(pending) and int(pending[i].at_s * 1e9) <= clock.now_ns:
             a = pending[i]
-            req = Request(
-                a.request_id, a.prompt, SamplingParams(max_tokens=a.max_tokens), int(a.at_s * 1e9), a.priority
-            )
+            sampling = SamplingParams(max_tokens=a.max_tokens)
+            req = Request(a.request_id, a.prompt, sampling, int(a.at_s * 1e9), a.priority, a.tenant)
             engine.add_request(req)
             requests[a.request_id] = req
             i += 1

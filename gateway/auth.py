@@ -18,14 +18,21 @@ def request_key(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key")
 
 
-def key_matches(given: object, keys: tuple[str, ...]) -> bool:
-    """Compares against every key, in constant time for each."""
+def tenant_of(given: object, keys: tuple[str, ...]) -> str | None:
+    """Which configured key this is, as ``key-<n>`` (never the key itself, so
+    it can be logged and used for fair sharing), or None. Compares against
+    every key, in constant time for each."""
     if not isinstance(given, str):
-        return False
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(given.encode(), key.encode())
+        return None
+    found = None
+    for n, key in enumerate(keys, 1):
+        if hmac.compare_digest(given.encode(), key.encode()):
+            found = f"key-{n}"
     return found
+
+
+def key_matches(given: object, keys: tuple[str, ...]) -> bool:
+    return tenant_of(given, keys) is not None
 
 
 def origin_allowed(origin: str | None, allowed: tuple[str, ...], host_names: tuple[str, ...] = ()) -> bool:

@@ -34,7 +34,7 @@ from core.profiler import (
     saved_or_quick_profile,
 )
 from core.request import Request, SamplingParams
-from core.simulator import format_report, load_trace, report, scenario, simulate
+from core.simulator import SCENARIOS, format_report, load_trace, report, scenario, simulate
 from core.stats import request_timings
 from gateway.auth import WILDCARD_HOSTS
 from gateway.bench import add_bench_args, plot_report, run_bench
@@ -103,6 +103,12 @@ def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="shrink later chunks so iteration time stays level (needs --attention to matter)",
     )
     g.add_argument("--decode-reserve-tokens", type=int)
+    g.add_argument(
+        "--long-prefill-tokens",
+        type=int,
+        help="prompts with more tokens than this left to prefill are long: short ones go first "
+        "(default 0: the token budget)",
+    )
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -135,6 +141,7 @@ def _scheduler_config(args: argparse.Namespace, defaults: dict[str, Any]) -> Sch
         "max_defer_s",
         "dynamic_chunking",
         "decode_reserve_tokens",
+        "long_prefill_tokens",
     ):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -243,6 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = GatewaySettings(
         max_waiting=args.max_waiting,
         max_generations_per_connection=args.max_generations_per_connection,
+        key_token_rate=args.key_token_rate,
         slow_consumer_s=args.slow_consumer_s,
         api_keys=keys,
         allowed_origins=tuple(args.allowed_origin or ()),
@@ -338,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run a workload through the real scheduler on a virtual clock")
     src = s.add_mutually_exclusive_group()
-    src.add_argument("--scenario", default="seed-figure3", help="seed-figure3 (default) or burst")
+    src.add_argument("--scenario", default="seed-figure3", choices=SCENARIOS, help="default %(default)s")
     src.add_argument("--trace", type=Path, help="JSONL workload: t, prompt_tokens, output_tokens[, prefix, ...]")
     _add_scheduler_args(s)
     _add_kv_args(s)
@@ -382,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 'overloaded'")
     gw.add_argument("--max-generations-per-connection", type=int, default=32)
+    gw.add_argument(
+        "--key-token-rate",
+        type=float,
+        default=0.0,
+        help="tokens/s each API key may use, prompt + generated (429 with Retry-After beyond; default: no limit)",
+    )
     gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
     gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
     gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")

@@ -25,6 +25,7 @@ from core.step_loop import StepLoop
 from core.tokenizer import Tokenizer
 from gateway.metrics import Metrics
 from gateway.protocol import GenerateRequest, ProtocolError
+from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
 from gateway.streams import SLOW_CONSUMER, RequestStream
 from gateway.telemetry import Telemetry
@@ -58,6 +59,8 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._unstarted: set[str] = set()  # accepted, no first token yet
         self._tokenizing = 0  # accepted, still being tokenized
+        rate = settings.key_token_rate
+        self.rate_limit = TokenRateLimit(rate, settings.key_token_burst_s) if rate > 0 else None
         self._ids = itertools.count()
         self._last_submit_ns = 0
 
@@ -119,6 +122,8 @@ class EngineClient:
             raise ProtocolError("unavailable", f"the engine stopped: {self.fatal}")
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down")
+        if self.rate_limit is not None and (wait_s := self.rate_limit.retry_after_s(req.tenant)):
+            raise ProtocolError("overloaded", f"token rate limit of this API key; retry in {wait_s} s", None, wait_s)
         # a request counts as waiting from here: a burst cannot all slip in while tokenizing
         if len(self._unstarted) + self._tokenizing >= self.settings.max_waiting:
             raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
@@ -131,13 +136,15 @@ class EngineClient:
         limit = self.engine.config.max_model_len
         if not req.max_tokens_given:
             sampling.max_tokens = max(1, limit - len(ids))
-        request = Request(request_id, ids, sampling, arrival_ns, req.priority)
+        request = Request(request_id, ids, sampling, arrival_ns, req.priority, req.tenant)
         try:
             future = self.step_loop.submit(request)
         except RequestRejected as exc:
             raise ProtocolError(exc.code, str(exc)) from None
         except ValueError as exc:
             raise ProtocolError("invalid_request", str(exc)) from None
+        if self.rate_limit is not None:
+            self.rate_limit.charge(req.tenant, len(ids))
         stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
         self._streams[request_id] = stream
         self._unstarted.add(request_id)
@@ -253,11 +260,14 @@ class EngineClient:
     def _finished(self, req: Request, finish_reason: str) -> None:
         """Metrics, the request's spans and its log line, from the engine's timestamps."""
         self.metrics.observe_finish(req, finish_reason)
+        if self.rate_limit is not None:
+            self.rate_limit.charge(req.tenant, req.num_output_tokens)
         self.telemetry.on_finish(req)
         if self.tracing is not None:
             self.tracing.finish_request(req, finish_reason)
         fields: dict[str, Any] = {
             "request_id": req.request_id,
+            "tenant": req.tenant,
             "finish_reason": finish_reason,
             "prompt_tokens": req.num_prompt_tokens,
             "completion_tokens": req.num_output_tokens,

@@ -17,6 +17,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, text_pieces
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
@@ -24,8 +25,9 @@ from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolea
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "suffix", "best_of")
 
 
-def error_response(code: str, message: str) -> JSONResponse:
-    return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 400))
+def error_response(code: str, message: str, retry_after_s: int = 0) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+    return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 400), headers=headers)
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
@@ -101,11 +103,12 @@ async def _handle(request: Request, chat: bool) -> Response:
         req = _parse(body, client, chat)
         if req.traceparent is None:
             req.traceparent = request.headers.get("traceparent")
+        req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
         request_id = client.new_id("chatcmpl" if chat else "cmpl")
         stream, prompt_tokens = await client.submit(req, request_id)
     except ProtocolError as exc:
         client.metrics.errors.labels(exc.code).inc()
-        return error_response(exc.code, exc.message)
+        return error_response(exc.code, exc.message, exc.retry_after_s)
     model = body.get("model") or client.settings.model_name
     maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
     pieces = text_pieces(stream, maker)

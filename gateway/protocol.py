@@ -30,11 +30,12 @@ MAX_ID_CHARS = 128
 
 
 class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, request_id: str | None = None, retry_after_s: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.retry_after_s = retry_after_s  # > 0: when the client may try again (HTTP Retry-After)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class GenerateRequest:
     max_tokens_given: bool  # False: fill the rest of the context
     priority: int = 0
     traceparent: str | None = None
+    tenant: str = ""  # the API key's id (gateway.auth.tenant_of); "" without keys
 
 
 def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:

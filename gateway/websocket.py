@@ -21,7 +21,7 @@ import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from core.stats import request_timings
-from gateway.auth import key_matches, origin_allowed, request_key
+from gateway.auth import origin_allowed, request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.protocol import ProtocolError, boolean, parse_generate
@@ -50,6 +50,7 @@ class Connection:
         self.client = client
         self.settings = client.settings
         self.gens: dict[str, _Generation] = {}
+        self.tenant = ""  # the API key's id once authenticated
         self.closed = False
         self._ready: dict[str, None] = {}  # generations with output to drain, in order
         self._wake = anyio.Event()
@@ -62,12 +63,17 @@ class Connection:
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.closed = True  # the reader sees the disconnect and cleans up
 
-    async def error(self, code: str, message: str, gen_id: str | None = None) -> None:
+    async def error(self, code: str, message: str, gen_id: str | None = None, retry_after_s: int = 0) -> None:
         self.client.metrics.errors.labels(code).inc()
-        await self.send({"type": "error", "id": gen_id, "code": code, "message": message})
+        frame: dict[str, Any] = {"type": "error", "id": gen_id, "code": code, "message": message}
+        if retry_after_s:
+            frame["retry_after_s"] = retry_after_s
+        await self.send(frame)
 
     async def run(self) -> None:
-        authed = not self.settings.api_keys or key_matches(request_key(self.ws.headers), self.settings.api_keys)
+        keys = self.settings.api_keys
+        self.tenant = tenant_of(request_key(self.ws.headers), keys) or ""
+        authed = not keys or bool(self.tenant)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer)
             try:
@@ -87,8 +93,8 @@ class Connection:
                         continue
                     kind = frame.get("type")
                     if not authed:
-                        if kind == "auth" and key_matches(frame.get("api_key"), self.settings.api_keys):
-                            authed = True
+                        if kind == "auth" and (tenant := tenant_of(frame.get("api_key"), keys)):
+                            self.tenant, authed = tenant, True
                             await self.send({"type": "authenticated"})
                             continue
                         await self.error("unauthorized", "send {'type': 'auth', 'api_key': ...} first")
@@ -155,6 +161,7 @@ class Connection:
         gen = self.gens[gen_id]
         try:
             req = parse_generate(frame, WS_DEFAULTS, self.client.engine.config.max_model_len)
+            req.tenant = self.tenant
             timestamps = boolean(frame, "timestamps")
             if req.traceparent is None:
                 req.traceparent = self.ws.headers.get("traceparent")
@@ -162,7 +169,7 @@ class Connection:
             stream, gen.prompt_tokens = await self.client.submit(req, request_id)
         except ProtocolError as exc:
             self.gens.pop(gen_id, None)
-            await self.error(exc.code, exc.message, gen_id)
+            await self.error(exc.code, exc.message, gen_id, exc.retry_after_s)
             return
         gen.request_id, gen.stream = request_id, stream
         gen.timestamps = timestamps

@@ -261,3 +261,23 @@ async def test_graceful_shutdown_finishes_or_cancels_in_flight_streams():
     while srv.thread.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not srv.thread.is_alive() and not srv.client.step_loop.alive
+
+
+async def test_per_key_token_rate_limit_answers_429_with_retry_after():
+    settings = GatewaySettings(api_keys=("k1", "k2"), key_token_rate=20.0, key_token_burst_s=1.0)
+    srv = sim_server(settings=settings)
+    try:
+        body = {"prompt": "word " * 50, "max_tokens": 4}
+        first = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+        assert first.status_code == 200  # the bucket (20 tokens) goes ~35 tokens into debt
+        again = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+        assert again.status_code == 429 and again.json()["error"]["code"] == "overloaded"
+        assert int(again.headers["retry-after"]) >= 1
+        other = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
+        assert other.status_code == 200  # another key has its own bucket
+        async with connect(srv.ws_url, additional_headers={"Authorization": "Bearer k1"}) as ws:
+            await ws.send(orjson.dumps({"type": "generate", "id": "a", "prompt": "hi"}).decode())
+            f = orjson.loads(await ws.recv())
+            assert f["type"] == "error" and f["code"] == "overloaded" and f["retry_after_s"] >= 1
+    finally:
+        srv.stop()
