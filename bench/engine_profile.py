@@ -159,7 +159,7 @@ def main() -> None:
             f"| {statistics.median(nat):.1f} [{min(nat):.1f}–{max(nat):.1f}] "
             f"| {statistics.median(ratios):.2f}× [{min(ratios):.2f}–{max(ratios):.2f}] |"
         )
-    categories = [*dict.fromkeys(OPS.values()), "linear (GEMM)"]
+    categories = [*dict.fromkeys(OPS.values())]
     lines += ["", "Share of the iteration (medians):", ""]
     lines.append("| scenario | backend | " + " | ".join(categories) + " | rest |")
     lines.append("|---|---|" + "---:|" * (len(categories) + 1))
