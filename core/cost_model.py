@@ -9,9 +9,10 @@ attention reads (decode context and the chunk re-read of earlier chunks).
 Attention runs after the projections, not beside them, so its own roofline,
 max(attention compute, KV reads), is added to the linear layers'. On CPU,
 small-batch GEMMs do not hide weight reads under compute either: a fitted
-profile may set ``overlap=False`` and add the two (the embedded model, fp32,
-on an AVX2 EPYC fits that way within 5 % mean, 14 % worst:
-bench/results/profile-2026-12-01.md).
+profile may set ``overlap=False`` and add the two. Where small batches run a
+different GEMM altogether (the compact decode weights on CPU, up to
+``small_batch_rows`` tokens), they get their own fitted FLOP/s and
+weight-read rate.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class HardwareSpec:
     # do weight reads hide under compute (a GPU's roofline: max) or add to it
     # (small-batch GEMMs on CPU: fitted by `stallfree profile`, whichever fits)
     overlap: bool = True
+    # batches of up to this many tokens run another GEMM (on CPU: the compact
+    # decode weights), with its own FLOP/s and weight-read rate, added
+    small_batch_rows: int = 0
+    small_batch_flops: float = 0.0
+    small_batch_bw: float = 0.0
 
 
 # The article's illustrative figures (not benchmarks).
@@ -75,7 +81,10 @@ class CostModel:
         """The projections and MLP: compute or weight reads, whichever binds
         (or both, where the hardware does not overlap them)."""
         hw = self.hardware
-        compute, memory = 2.0 * self.model.params * tokens / hw.flops, self.model.weight_bytes / hw.mem_bw
+        flops = 2.0 * self.model.params * tokens
+        if tokens <= hw.small_batch_rows:
+            return flops / hw.small_batch_flops + self.model.weight_bytes / hw.small_batch_bw
+        compute, memory = flops / hw.flops, self.model.weight_bytes / hw.mem_bw
         return max(compute, memory) if hw.overlap else compute + memory
 
     def attention_s(self, attn_flops: float, kv_tokens_read: int) -> float:

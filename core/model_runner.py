@@ -15,7 +15,7 @@ from core.batch import Batch
 from core.loader import LoadedModel
 from core.model import LlamaModel
 from core.sampler import sample
-from kernels import backend, build_attention_meta
+from kernels import Linear, backend, build_attention_meta
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -71,6 +71,8 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kernels = backend(device)  # e.g. native-avx2, triton, reference (why)
+        # batches up to this many tokens read the compact decode weights (0: none)
+        self.small_batch_rows = Linear.COMPACT_ROWS if self.model.lm_head.compact is not None else 0
         self.load_s = time.perf_counter() - start
 
     def execute(self, batch: Batch) -> list[int]:

@@ -12,7 +12,8 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,44 +92,70 @@ def measure(runner: ModelRunner, num_blocks: int, quick: bool = False, decodes: 
     return points
 
 
-def fit(spec: ModelSpec, points: list[Point]) -> CostModel:
+def fit(spec: ModelSpec, points: list[Point], small_batch_rows: int = 0) -> CostModel:
     """Fit the roofline's FLOP/s, bandwidth, fixed overhead and attention FLOP/s
     to the measurements, minimising the summed |log(predicted / measured)|:
     a coarse grid, then multiplicative refinement of one coefficient at a time;
     once with weight reads overlapping compute and once adding to it, keeping
-    the better fit."""
+    the better fit. With ``small_batch_rows``, those four come from the larger
+    batches, and the small batches' own GEMM FLOP/s and weight-read rate are
+    fitted next, on theirs."""
+    small = [p for p in points if p.tokens <= small_batch_rows]
+    large = [p for p in points if p.tokens > small_batch_rows] if len(points) - len(small) >= 4 else points
 
-    def cost_of(v: tuple[float, float, float, float], overlap: bool) -> CostModel:
+    def cost_of(v: tuple[float, ...], overlap: bool) -> CostModel:
         hw = HardwareSpec("fitted", v[0], v[1], v[2], v[3], overlap)
         return CostModel(spec, hw, attention=True, kv_reads=True)
 
-    def loss(v: tuple[float, float, float, float], overlap: bool) -> float:
-        c = cost_of(v, overlap)
-        return sum(abs(math.log(_predict_ms(c, p) / p.measured_ms)) for p in points)
+    def loss(cost: CostModel, on: list[Point]) -> float:
+        return sum(abs(math.log(_predict_ms(cost, p) / p.measured_ms)) for p in on)
 
-    def fit_one(overlap: bool) -> tuple[float, float, float, float]:
+    def refine(best: tuple[float, ...], score: Callable[[tuple[float, ...]], float]) -> tuple[float, ...]:
+        for step in (2.0, 1.4, 1.15, 1.05, 1.01):
+            improved = True
+            while improved:
+                improved = False
+                for i in range(len(best)):
+                    for factor in (step, 1 / step):
+                        trial = list(best)
+                        trial[i] = trial[i] * factor if trial[i] else (1e-4 if factor > 1 else 0.0)
+                        if score(tuple(trial)) < score(best):
+                            best, improved = tuple(trial), True
+        return best
+
+    def fit_one(overlap: bool) -> tuple[float, ...]:
         grid = itertools.product(
             [f * 1e9 for f in (10, 30, 100, 300, 1000, 3000, 10000, 100000)],  # FLOP/s
             [b * 1e9 for b in (2, 5, 10, 20, 50, 200, 1000, 4000)],  # bytes/s
             [o / 1e3 for o in (0.0, 0.1, 1.0, 3.0, 10.0)],  # overhead s
             [a * 1e9 for a in (3, 10, 30, 100, 300, 1000, 10000, 100000)],  # attention FLOP/s
         )
-        best = min(grid, key=lambda v: loss(v, overlap))
-        for step in (2.0, 1.4, 1.15, 1.05, 1.01):
-            improved = True
-            while improved:
-                improved = False
-                for i in range(4):
-                    for factor in (step, 1 / step):
-                        trial = list(best)
-                        trial[i] = trial[i] * factor if trial[i] else (1e-4 if factor > 1 else 0.0)
-                        if loss(tuple(trial), overlap) < loss(best, overlap):
-                            best, improved = tuple(trial), True
-        return best
+
+        def score(v: tuple[float, ...]) -> float:
+            return loss(cost_of(v, overlap), large)
+
+        return refine(min(grid, key=score), score)
 
     fits = {overlap: fit_one(overlap) for overlap in (True, False)}
-    overlap = min(fits, key=lambda o: loss(fits[o], o))
+    overlap = min(fits, key=lambda o: loss(cost_of(fits[o], o), large))
     cost = cost_of(fits[overlap], overlap)
+    if small and large is not points:
+
+        def with_small(v: tuple[float, ...]) -> CostModel:
+            hw = replace(cost.hardware, small_batch_rows=small_batch_rows, small_batch_flops=v[0], small_batch_bw=v[1])
+            return replace(cost, hardware=hw)
+
+        grid = itertools.product(
+            [f * 1e9 for f in (10, 30, 100, 300, 1000, 10000)], [b * 1e9 for b in (2, 5, 10, 20, 50, 200, 1000)]
+        )
+        v = refine(min(grid, key=lambda v: loss(with_small(v), small)), lambda v: loss(with_small(v), small))
+
+        def joint(v: tuple[float, ...]) -> CostModel:  # all six together, on every point
+            hw = HardwareSpec("fitted", *v[:4], overlap, small_batch_rows, *v[4:])
+            return CostModel(spec, hw, attention=True, kv_reads=True)
+
+        start = (*fits[overlap], *v)
+        cost = joint(refine(start, lambda v: loss(joint(v), points)))
     for p in points:
         p.predicted_ms = _predict_ms(cost, p)
     return cost
@@ -203,7 +230,7 @@ class Profile:
 
 def profile_runner(runner: ModelRunner, num_blocks: int, threads: int, quick: bool = False) -> Profile:
     points = measure(runner, num_blocks, quick)
-    cost = fit(runner.config.spec(runner.dtype.itemsize), points)
+    cost = fit(runner.config.spec(runner.dtype.itemsize), points, runner.small_batch_rows)
     dtype = str(runner.dtype).removeprefix("torch.")
     return Profile(runner.config.name, dtype, threads, points, cost.model, cost.hardware)
 
@@ -219,7 +246,13 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
         f"{p.model} ({p.dtype}, {p.threads} threads): fitted {hw.flops / 1e12:.2f} TFLOP/s (GEMM), "
         f"{(hw.attention_flops or hw.flops) / 1e12:.3f} TFLOP/s (attention), {hw.mem_bw / 1e9:.1f} GB/s, "
         f"{hw.overhead_s * 1e3:.2f} ms fixed per iteration, weight reads "
-        f"{'overlapping' if hw.overlap else 'added to'} GEMM compute",
+        f"{'overlapping' if hw.overlap else 'added to'} GEMM compute"
+        + (
+            f"; batches up to {hw.small_batch_rows} tokens: {hw.small_batch_flops / 1e12:.3f} TFLOP/s, "
+            f"weight reads {p.spec.weight_bytes / hw.small_batch_bw * 1e3:.1f} ms"
+            if hw.small_batch_rows
+            else ""
+        ),
         "",
         "  decodes  context  chunk  prefix  tokens  measured ms  simulated ms  error",
     ]

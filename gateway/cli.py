@@ -29,6 +29,7 @@ from core.profiler import (
     Profile,
     choose_budget,
     default_profile_path,
+    fit,
     format_profile,
     profile_runner,
     saved_or_quick_profile,
@@ -229,11 +230,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    settings = _model_settings(args)
-    engine, runner = build_engine(settings, SchedulerConfig())
-    threads = runner.threads
-    prof = profile_runner(runner, engine.kv.num_blocks, threads, quick=args.quick)
-    path = args.save or default_profile_path(runner.config.name, prof.dtype, threads)
+    if args.refit:  # the measured points again, through the current cost model's fit
+        prof = Profile.load(args.refit)
+        rows = args.small_batch_rows
+        cost = fit(prof.spec, prof.points, prof.hardware.small_batch_rows if rows is None else rows)
+        prof.hardware = cost.hardware
+        path = args.save or args.refit
+    else:
+        settings = _model_settings(args)
+        engine, runner = build_engine(settings, SchedulerConfig())
+        prof = profile_runner(runner, engine.kv.num_blocks, runner.threads, quick=args.quick)
+        path = args.save or default_profile_path(runner.config.name, prof.dtype, runner.threads)
     prof.save(path)
     print(f"profile saved to {path}", file=sys.stderr)
     budget, how = choose_budget(prof.points, args.tpot_slo_ms)
@@ -371,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
     pr.add_argument("--save", type=Path, help="where to write the profile (default: ~/.cache/stallfree/)")
     pr.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    pr.add_argument("--refit", type=Path, help="fit a saved profile's measured points again (no measuring)")
+    pr.add_argument(
+        "--small-batch-rows",
+        type=int,
+        help="with --refit: batches up to this many tokens ran the compact decode GEMMs (default: as saved)",
+    )
     _add_model_args(pr)
     pr.set_defaults(func=cmd_profile)
     sv = sub.add_parser("serve", help="run the gateway: WebSocket streaming, OpenAI-compatible API, dashboard")

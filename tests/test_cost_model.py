@@ -38,3 +38,33 @@ def test_fit_recovers_a_machine_that_adds_weight_reads():
     assert fitted.hardware.overlap is False
     worst = max(abs(math.log(p.predicted_ms / p.measured_ms)) for p in points)
     assert worst < 0.05
+
+
+def test_small_batches_run_their_own_gemm():
+    hw = HardwareSpec(
+        "h", flops=1e11, mem_bw=1e10, overlap=False, small_batch_rows=64, small_batch_flops=4e10, small_batch_bw=5e10
+    )
+    cost = CostModel(SPEC, hw)
+    small = 2 * SPEC.params * 64 / 4e10 + SPEC.weight_bytes / 5e10
+    large = 2 * SPEC.params * 65 / 1e11 + SPEC.weight_bytes / 1e10
+    assert cost.linear_s(64) == pytest.approx(small)
+    assert cost.linear_s(65) == pytest.approx(large)
+
+
+def test_fit_recovers_a_machine_with_a_small_batch_gemm():
+    hw = HardwareSpec(
+        "t", 8e10, 5e9, 0.02, 3e10, overlap=False, small_batch_rows=64, small_batch_flops=3e10, small_batch_bw=3e10
+    )
+    truth = CostModel(SPEC, hw, attention=True, kv_reads=True)
+    shapes = [(n, 256, 0, 0) for n in (1, 8, 16, 32, 64)]
+    shapes += [(8, 256, c, 0) for c in (16, 64, 128, 512, 1024, 2048)] + [(0, 0, 256, p) for p in (512, 2048, 4096)]
+    points = []
+    for decodes, ctx, chunk, prefix in shapes:
+        ms = truth.iteration_s([ctx] * decodes, [(prefix, chunk)] if chunk else []) * 1e3
+        points.append(Point(decodes, ctx, chunk, prefix, ms))
+    fit(SPEC, points)  # one roofline for both paths
+    single = max(abs(math.log(p.predicted_ms / p.measured_ms)) for p in points)
+    fitted = fit(SPEC, points, small_batch_rows=64)
+    assert fitted.hardware.small_batch_rows == 64
+    worst = max(abs(math.log(p.predicted_ms / p.measured_ms)) for p in points)
+    assert worst < 0.05 < single  # one roofline cannot fit both paths; two can
