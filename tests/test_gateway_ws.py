@@ -7,6 +7,7 @@ import itertools
 import socket
 import time
 
+import httpx
 import orjson
 import pytest
 from websockets.asyncio.client import connect
@@ -163,6 +164,9 @@ async def test_slow_reader_does_not_slow_the_others():
             with_slow += await gaps_of_others(tokens=40)
         p99 = sorted(with_slow)[int(len(with_slow) * 0.99)]
         assert p99 < sorted(baseline)[int(len(baseline) * 0.99)] * 3 + 0.02
+        metrics = (await asyncio.to_thread(httpx.get, server.url + "/metrics")).text
+        cutoffs = next(ln for ln in metrics.splitlines() if ln.startswith("stallfree_slow_consumer_cutoffs_total"))
+        assert float(cutoffs.split()[-1]) == n_slow  # counted even though no error frame could be written yet
         assert max(with_slow) < 0.25  # streams blocked behind the slow one would stall for seconds
         slow.transport.resume_reading()
         errors = set()
