@@ -47,7 +47,7 @@ EXPECTED = {
 }
 
 
-async def stream_with_fault(server, point: str, after: int, streams: int = RUNNING + 2, max_tokens: int = 60):
+async def stream_with_fault(server, point: str, after: int, streams: int = RUNNING + 2, max_tokens: int = 400):
     """Start streams (RUNNING run, two wait), arm the point once the running ones
     decode, then collect every stream."""
     async with connect(server.ws_url) as ws:

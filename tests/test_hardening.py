@@ -120,7 +120,7 @@ async def test_a_request_with_a_huge_top_k_is_refused_and_spares_its_batch(serve
 
 async def test_the_waiting_limit_holds_under_a_burst():
     """150 requests at once with room for 8: exactly 142 are refused, over HTTP and WebSocket."""
-    srv = sim_server(time_scale=100.0, settings=GatewaySettings(max_waiting=8), token_budget=80, max_num_seqs=64)
+    srv = sim_server(time_scale=300.0, settings=GatewaySettings(max_waiting=8), token_budget=80, max_num_seqs=64)
     try:
         body = {"prompt": "z", "max_tokens": 1}
         async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=httpx.Limits(max_connections=200)) as h:
