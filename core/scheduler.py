@@ -126,7 +126,7 @@ class Scheduler:
             # frozen batch: whole prompts in an iteration of their own, with
             # vLLM V0's rule that the batch cap is at least the context length
             left = self._prefill_running(batch, max(budget, self.config.max_model_len), whole=True)
-            self._admit(batch, left, now_ns, whole=True)
+            self._admit(batch, left, whole=True, ordered=self._ordered(now_ns))
             if not batch.items:
                 self._decode(batch, budget)
             return batch
@@ -136,7 +136,7 @@ class Scheduler:
         else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
             left = self._prefill_running(batch, left, whole=False)
             if not any(r.status == RequestStatus.DECODING for r in self.running):
-                self._admit(batch, left, now_ns, whole=False)
+                self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
         return batch
 
     def _prefill(self, batch: Batch, left: int, now_ns: int) -> None:
@@ -160,11 +160,12 @@ class Scheduler:
         short_left = self._prefill_running(batch, left - floor, whole=False, which=short)
         if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
             left = self._prefill_running(batch, floor + short_left, whole=False, which=long)
-            self._admit(batch, left, now_ns, whole=False)
+            self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
             return
-        short_left = self._admit(batch, short_left, now_ns, whole=False, which=short)
+        ordered = self._ordered(now_ns)
+        short_left = self._admit(batch, short_left, whole=False, ordered=[r for r in ordered if short(r)])
         left = self._prefill_running(batch, floor + short_left, whole=False, which=long)
-        self._admit(batch, left, now_ns, whole=False, which=long)
+        self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one step for every running decode (counting any extra
@@ -208,22 +209,22 @@ class Scheduler:
             left -= n
         return left
 
-    def _admit(self, batch: Batch, left: int, now_ns: int, whole: bool, which: Callable[[Request], bool] = bool) -> int:
-        """Pass 3: new (or preempted) requests in policy order (of those ``which`` selects)."""
+    def _ordered(self, now_ns: int) -> list[Request]:
+        """The waiting queue in policy order, computed once per iteration."""
+        c = self.config
+        return order_waiting(self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served)
+
+    def _admit(self, batch: Batch, left: int, whole: bool, ordered: list[Request]) -> int:
+        """Pass 3: admit from ``ordered`` (waiting requests in policy order)."""
         cfg = self.config
-        if not self.waiting or left == 0:
+        if not ordered or left == 0:
             return left
         finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
         partial = sum(1 for r in self.running if r.status == RequestStatus.PREFILLING and r not in finishing)
         admitted = []
-        ordered = order_waiting(
-            self.waiting, cfg.policy, now_ns, cfg.max_defer_s, self.kv.cached_prefix_tokens, self.served
-        )
         for req in ordered:
             if left == 0 or len(self.running) >= cfg.max_num_seqs:
                 break
-            if not which(req):
-                continue
             pending = req.num_tokens - self.kv.cached_prefix_tokens(req)
             n = self._chunk(req, pending, left, whole)
             if n == 0:

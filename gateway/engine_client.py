@@ -219,16 +219,13 @@ class EngineClient:
         emit_ns = it.end_ns if it is not None else time.perf_counter_ns()
         try:
             self.metrics.observe_counts(out.counts)
-        except Exception:
-            log.exception("metrics_failed")
-        if it is not None:
-            try:
+            if it is not None:
                 self.metrics.observe_iteration(it)
                 self.telemetry.on_iteration(it)
                 if self.tracing is not None:
                     self.tracing.iteration(it)
-            except Exception:  # observers must never cost anybody their tokens
-                log.exception("iteration_observers_failed", iteration=it.iteration)
+        except Exception:  # observers must never cost anybody their tokens
+            log.exception("iteration_observers_failed")
         for o in out.outputs:
             try:
                 self._deliver(o, emit_ns)
