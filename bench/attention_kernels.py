@@ -20,7 +20,7 @@ import torch
 
 import kernels
 from bench.record import dated, describe, machine
-from core.model_runner import resolve_dtype
+from core.model.model_runner import resolve_dtype
 from kernels import build_attention_meta, reference
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16

@@ -19,12 +19,12 @@ import sys
 
 import httpx
 
+from bench.loadgen import Job, PromptMaker, StallfreeTarget, run_jobs, summarize
 from bench.record import dated
 from bench.servers import start_stallfree, stop
-from core.gguf import GGUFFile
-from core.loader import embedded_model_path
-from core.tokenizer import Tokenizer
-from gateway.loadgen import Job, PromptMaker, StallfreeTarget, run_jobs, summarize
+from core.model.gguf import GGUFFile
+from core.model.loader import embedded_model_path
+from core.model.tokenizer import Tokenizer
 
 
 def main() -> None:

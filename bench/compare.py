@@ -33,13 +33,13 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
 from bench.record import OUT, dated, describe, machine
 from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
-from core.gguf import GGUFFile
-from core.loader import embedded_model_path
-from core.model_runner import resolve_dtype
-from core.tokenizer import Tokenizer
-from gateway.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
+from core.model.gguf import GGUFFile
+from core.model.loader import embedded_model_path
+from core.model.model_runner import resolve_dtype
+from core.model.tokenizer import Tokenizer
 
 PEER = ROOT / "bench" / "peers" / "vllm"
 MODEL_DIR = PEER / "smollm2-hf"

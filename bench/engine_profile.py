@@ -26,9 +26,9 @@ import torch
 
 import kernels
 from bench.record import dated, describe, machine
-from core.loader import load_model
-from core.model import LlamaModel
-from core.model_runner import resolve_dtype
+from core.model.llama import LlamaModel
+from core.model.loader import load_model
+from core.model.model_runner import resolve_dtype
 from kernels import build_attention_meta, reference
 
 CPU = torch.device("cpu")

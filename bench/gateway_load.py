@@ -28,7 +28,7 @@ from websockets.asyncio.client import connect
 
 from bench.record import dated
 from bench.servers import start_stallfree, stop
-from core.stats import percentile
+from core.sched.timings import percentile
 
 
 def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int]:

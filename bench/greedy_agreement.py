@@ -19,11 +19,11 @@ import torch
 
 import kernels
 from bench.record import dated, describe, machine
-from core.config import CacheConfig, SchedulerConfig
-from core.engine import Engine
-from core.loader import load_model
-from core.model_runner import ModelRunner
-from core.request import Request, SamplingParams
+from core.model.loader import load_model
+from core.model.model_runner import ModelRunner
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine
+from core.sched.request import Request, SamplingParams
 from kernels import reference
 
 PROMPTS = [

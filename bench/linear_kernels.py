@@ -21,8 +21,8 @@ import torch
 
 import kernels
 from bench.record import dated, describe, machine
-from core.loader import load_model
-from core.model import LlamaModel
+from core.model.llama import LlamaModel
+from core.model.loader import load_model
 
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 

@@ -20,8 +20,8 @@ import torch
 
 from bench.record import dated
 from core.build import ModelSettings, build_engine
-from core.config import SchedulerConfig
-from core.request import Request, SamplingParams
+from core.sched.config import SchedulerConfig
+from core.sched.request import Request, SamplingParams
 from tests.simkit import tokens
 
 

@@ -14,10 +14,10 @@ import json
 import sys
 
 from bench.record import dated
-from core.config import CacheConfig, SchedulerConfig
-from core.cost_model import CostModel
-from core.simulator import report, scenario, simulate
-from core.stats import percentile
+from core.analysis.cost_model import CostModel
+from core.analysis.simulator import report, scenario, simulate
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.timings import percentile
 
 RUNS = [  # (scenario, label, settings, "small" request ids start with, "big" ones)
     ("short-behind-long", "short first (default)", {}, "S", "L"),

@@ -23,7 +23,7 @@ from websockets.asyncio.client import connect
 
 from bench.record import dated
 from bench.servers import start_stallfree, stop
-from core.stats import percentile
+from core.sched.timings import percentile
 
 
 async def load(port: int, streams: int, tokens: int) -> dict:

@@ -39,7 +39,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None
 def start_stallfree(*serve_args: str, log: Path | None = None) -> tuple[subprocess.Popen, int]:
     """`stallfree serve` on a free port with these options, once it is ready."""
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--port", str(port), *serve_args]
+    cmd = [sys.executable, "-m", "cli", "--log-level", "warning", "serve", "--port", str(port), *serve_args]
     out = log.open("w") if log else None
     proc = subprocess.Popen(
         cmd,

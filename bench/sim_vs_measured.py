@@ -21,10 +21,10 @@ from pathlib import Path
 
 from bench.compare import METRICS, PHASES
 from bench.record import OUT, dated
-from core.config import CacheConfig, SchedulerConfig
-from core.profiler import Profile
-from core.simulator import make_arrival, simulate
-from core.stats import gaps_ns, percentile, request_timings
+from core.analysis.profiler import Profile
+from core.analysis.simulator import make_arrival, simulate
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.timings import gaps_ns, percentile, request_timings
 
 
 def arrivals(scenario: str) -> list:

@@ -51,7 +51,7 @@ class Server:
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "error", "serve", "--sim", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "cli", "--log-level", "error", "serve", "--sim", "--port", str(self.port)]
         self.proc = subprocess.Popen([*cmd, *args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 60
         while True:

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import CacheConfig, SchedulerConfig
-from core.cost_model import CostModel, HardwareSpec
-from core.engine import Engine
-from core.gguf import GGUFFile
-from core.loader import embedded_model_path, gguf_config, load_model
-from core.model_runner import ModelRunner, kv_blocks_for, resolve_dtype
-from core.runner import SimRunner
-from core.tokenizer import Tokenizer
+from core.analysis.cost_model import CostModel, HardwareSpec
+from core.analysis.sim_runner import SimRunner
+from core.model.gguf import GGUFFile
+from core.model.loader import embedded_model_path, gguf_config, load_model
+from core.model.model_runner import ModelRunner, kv_blocks_for, resolve_dtype
+from core.model.tokenizer import Tokenizer
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine
 
 # Roughly this 2-core CPU running the embedded SmolLM2 in bf16 (fitted by
 # `stallfree profile`); the simulated server's default cost.

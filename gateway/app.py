@@ -17,8 +17,8 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.config import LIVE_SETTINGS
-from core.step_loop import EngineStopped
+from core.sched.config import LIVE_SETTINGS
+from core.sched.step_loop import EngineStopped
 from gateway.auth import cross_origin_refusal, key_matches, request_key
 from gateway.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
 from gateway.engine_client import EngineClient

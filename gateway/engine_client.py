@@ -18,11 +18,11 @@ import anyio
 import structlog
 
 from core import faults
-from core.engine import Engine, RequestOutput, RequestRejected, StepOutput
-from core.request import Request
-from core.stats import request_timings
-from core.step_loop import StepLoop
-from core.tokenizer import Tokenizer
+from core.model.tokenizer import Tokenizer
+from core.sched.engine import Engine, RequestOutput, RequestRejected, StepOutput
+from core.sched.request import Request
+from core.sched.step_loop import StepLoop
+from core.sched.timings import request_timings
 from gateway.metrics import Metrics
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.ratelimit import TokenRateLimit

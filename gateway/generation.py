@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from core.detokenizer import Detokenizer
-from core.request import Request
+from core.model.detokenizer import Detokenizer
+from core.sched.request import Request
 from gateway.protocol import ProtocolError
 from gateway.streams import SLOW_CONSUMER, Delta, RequestStream
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
 
-from core.batch import IterationRecord
-from core.config import CHUNKING_MODES
-from core.engine import Counts
-from core.request import Request
-from core.stats import gaps_ns
+from core.sched.batch import IterationRecord
+from core.sched.config import CHUNKING_MODES
+from core.sched.engine import Counts
+from core.sched.request import Request
+from core.sched.timings import gaps_ns
 
 LATENCY_BUCKETS = (
     0.001,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.request import SamplingParams
+from core.sched.request import SamplingParams
 
 ERROR_CODES = (
     "invalid_request",

@@ -20,7 +20,7 @@ import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import CloseCode, Frame, Opcode
 
-from core.engine import Engine
+from core.sched.engine import Engine
 from gateway.app import create_app
 from gateway.engine_client import EngineClient
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from core.request import Request
+from core.sched.request import Request
 
 SLOW_CONSUMER = "slow_consumer"
 

@@ -13,9 +13,9 @@ import time
 from collections import deque
 from typing import Any
 
-from core.batch import IterationRecord
-from core.request import Request
-from core.stats import percentile
+from core.sched.batch import IterationRecord
+from core.sched.request import Request
+from core.sched.timings import percentile
 
 FRAMES_PER_S = 10
 MAX_SERIES = 12

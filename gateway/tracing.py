@@ -26,9 +26,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Link, Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from core.batch import IterationRecord
-from core.request import Request
-from core.stats import request_timings
+from core.sched.batch import IterationRecord
+from core.sched.request import Request
+from core.sched.timings import request_timings
 
 log = structlog.get_logger(__name__)
 

@@ -20,7 +20,7 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from core.stats import request_timings
+from core.sched.timings import request_timings
 from gateway.auth import origin_allowed, request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker

@@ -13,10 +13,10 @@ import httpx
 import torch
 
 from core.build import build_sim_engine
-from core.config import CacheConfig, SchedulerConfig
-from core.engine import Engine
-from core.loader import load_tiny
-from core.model_runner import ModelRunner
+from core.model.loader import load_tiny
+from core.model.model_runner import ModelRunner
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine
 from gateway.engine_client import EngineClient
 from gateway.serve import make_server
 from gateway.settings import GatewaySettings
@@ -80,7 +80,7 @@ class ServerProcess:
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        cmd = [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "cli", "--log-level", "warning", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 60
         while True:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from core.config import CacheConfig, SchedulerConfig
-from core.cost_model import CostModel
-from core.engine import Engine
-from core.request import Request, SamplingParams
-from core.runner import SimRunner, VirtualClock
+from core.analysis.cost_model import CostModel
+from core.analysis.sim_runner import SimRunner, VirtualClock
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine
+from core.sched.request import Request, SamplingParams
 
 
 def tokens(seed: object, n: int) -> list[int]:

@@ -20,7 +20,7 @@ def server():
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "bench", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "cli", "bench", *args], capture_output=True, text=True, timeout=300, check=False
     )
 
 
@@ -90,10 +90,10 @@ def test_unreachable_target_is_a_clear_error():
 
 
 def test_prompts_are_unique_across_runs_with_the_same_seed():
-    from core.gguf import GGUFFile
-    from core.loader import embedded_model_path
-    from core.tokenizer import Tokenizer
-    from gateway.loadgen import PromptMaker
+    from bench.loadgen import PromptMaker
+    from core.model.gguf import GGUFFile
+    from core.model.loader import embedded_model_path
+    from core.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
     a, b = PromptMaker(tok, seed=0), PromptMaker(tok, seed=0)

@@ -1,6 +1,6 @@
 """Paged KV blocks: prefix hits, sharing, eviction order, reservations, conservation."""
 
-from core.block_manager import BlockManager
+from core.sched.block_manager import BlockManager
 from tests.simkit import request
 
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from core.gguf import Q4_1, Q8_0, dequantize
-from core.loader import load_model
-from core.model import LlamaModel
+from core.model.gguf import Q4_1, Q8_0, dequantize
+from core.model.llama import LlamaModel
+from core.model.loader import load_model
 from kernels import cpu_build
 from kernels.compact import Quantized, compact_weight
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 import kernels
 from bench.greedy_agreement import greedy
-from core.loader import load_model
-from core.model import rope_cos_sin
-from core.model_config import ModelConfig
-from core.model_runner import ModelRunner
+from core.model.llama import rope_cos_sin
+from core.model.loader import load_model
+from core.model.model_config import ModelConfig
+from core.model.model_runner import ModelRunner
 from kernels import build_attention_meta, cpu_build, reference
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from core import faults
-from core.engine import Engine
+from core.sched.engine import Engine
 from gateway.settings import GatewaySettings
 from tests.server import ServerProcess, sim_server
 from tests.test_gateway_ws import collect, recv, send

@@ -17,7 +17,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from core.config import RANGES
+from core.sched.config import RANGES
 from gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.test_gateway_ws import collect, recv, send

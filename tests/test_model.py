@@ -7,15 +7,15 @@ import sys
 import pytest
 import torch
 
-from core.batch import Batch, Item
-from core.block_manager import BlockManager
-from core.config import CacheConfig, SchedulerConfig
-from core.engine import Engine, RequestRejected
-from core.export import export_hf_dir
-from core.loader import ModelLoadError, load_model, load_tiny
-from core.model_runner import ModelRunner
-from core.profiler import choose_budget, profile_runner
-from core.request import Request, SamplingParams
+from core.analysis.profiler import choose_budget, profile_runner
+from core.model.export import export_hf_dir
+from core.model.loader import ModelLoadError, load_model, load_tiny
+from core.model.model_runner import ModelRunner
+from core.sched.batch import Batch, Item
+from core.sched.block_manager import BlockManager
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine, RequestRejected
+from core.sched.request import Request, SamplingParams
 from kernels import build_attention_meta, paged_attention, write_kv
 from tests.simkit import tokens
 
@@ -209,9 +209,15 @@ def test_profile_fits_and_chooses_a_budget(tiny):
 
 
 def test_real_model_answers_paris():
-    """The embedded SmolLM2-135M-Instruct, greedy, through the CLI."""
+    """The embedded SmolLM2-135M-Instruct, greedy, through the CLI.
+
+    In float32: its top two first tokens ("The", "L") are 0.08 apart, inside
+    bf16's rounding (their bf16 logits tie on an AMX machine, native and
+    reference kernels alike), so in bf16 the answer may start differently.
+    """
+    question = "What is the capital of France?"
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "What is the capital of France?", "--max-tokens", "24"],
+        [sys.executable, "-m", "cli", "generate", question, "--max-tokens", "24", "--dtype", "fp32"],
         capture_output=True,
         text=True,
         timeout=300,

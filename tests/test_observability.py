@@ -24,7 +24,7 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import connect
 
 from core.build import build_sim_engine
-from core.config import SchedulerConfig
+from core.sched.config import SchedulerConfig
 from gateway.settings import GatewaySettings
 from gateway.tracing import Tracing
 from tests.server import RunningServer

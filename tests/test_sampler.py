@@ -2,8 +2,8 @@
 
 import torch
 
-from core.request import SamplingParams
-from core.sampler import sample
+from core.model.sampler import sample
+from core.sched.request import SamplingParams
 
 
 def test_greedy_and_mixed_batch():

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from core.config import SchedulerConfig
-from core.request import RequestStatus
+from core.sched.config import SchedulerConfig
+from core.sched.request import RequestStatus
 from tests.simkit import request, run_to_completion, sim_engine
 
 

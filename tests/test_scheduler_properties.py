@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from core.config import CHUNKING_MODES, POLICIES
-from core.engine import RequestRejected
-from core.request import RequestStatus
+from core.sched.config import CHUNKING_MODES, POLICIES
+from core.sched.engine import RequestRejected
+from core.sched.request import RequestStatus
 from tests.simkit import request, sim_engine, tokens
 
 PREFIXES = {name: tokens(("prefix", name), 24) for name in ("sys-a", "sys-b")}

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
-from core.cost_model import CostModel
-from core.simulator import load_trace, report, scenario, simulate
-from gateway.cli import main
+from cli import main
+from core.analysis.cost_model import CostModel
+from core.analysis.simulator import load_trace, report, scenario, simulate
+from core.sched.config import CacheConfig, SchedulerConfig
 
 
 def run_scenario(name, **overrides):
@@ -79,7 +79,7 @@ def test_bad_trace_names_the_line(tmp_path):
 
 def cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, check=False, timeout=120
+        [sys.executable, "-m", "cli", *args], capture_output=True, text=True, check=False, timeout=120
     )
 
 

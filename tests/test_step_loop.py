@@ -5,11 +5,11 @@ import time
 
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
-from core.cost_model import ARTICLE_GPU, CostModel
-from core.engine import Engine, RequestRejected
-from core.runner import SimRunner
-from core.step_loop import EngineStopped, StepLoop
+from core.analysis.cost_model import ARTICLE_GPU, CostModel
+from core.analysis.sim_runner import SimRunner
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine, RequestRejected
+from core.sched.step_loop import EngineStopped, StepLoop
 from tests.simkit import request
 
 

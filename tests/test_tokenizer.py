@@ -2,10 +2,10 @@
 
 import pytest
 
-from core.detokenizer import Detokenizer
-from core.export import export_hf_dir
-from core.loader import load_tiny
-from core.tokenizer import Tokenizer
+from core.model.detokenizer import Detokenizer
+from core.model.export import export_hf_dir
+from core.model.loader import load_tiny
+from core.model.tokenizer import Tokenizer
 
 TEXTS = ["What is the capital of France?", "x = 12345 + 6.7", "Héllo wörld 你好 🎉\n\ttabs", "  spaces  "]
 

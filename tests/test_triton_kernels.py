@@ -18,8 +18,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.model import rope_cos_sin  # noqa: E402
-from core.model_config import ModelConfig  # noqa: E402
+from core.model.llama import rope_cos_sin  # noqa: E402
+from core.model.model_config import ModelConfig  # noqa: E402
 from kernels import build_attention_meta, reference  # noqa: E402
 from kernels import triton_ops as tri  # noqa: E402
 
@@ -108,8 +108,8 @@ def test_dispatch_never_picks_triton_for_cpu_tensors():
 
 
 def test_gpu_script_is_ready_and_refuses_without_cuda(monkeypatch):
-    from kernels import bench_gpu
+    from bench import gpu_kernels
 
-    monkeypatch.setattr(sys, "argv", ["bench_gpu"])
+    monkeypatch.setattr(sys, "argv", ["gpu_kernels"])
     with pytest.raises(SystemExit, match="no CUDA device"):
-        bench_gpu.main()
+        gpu_kernels.main()

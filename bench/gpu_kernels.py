@@ -1,6 +1,6 @@
 """GPU check of the Triton kernels (one run, well under 10 minutes on an H200).
 
-    python -m kernels.bench_gpu [--out bench/results/gpu]
+    python -m bench.gpu_kernels [--out bench/results/gpu]
 
 1. Correctness of every kernel against its torch reference on the GPU (bf16).
 2. Paged attention throughput for decode-heavy, prefill-heavy and mixed
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from core.model import LlamaModel, rope_cos_sin
-from core.model_config import ModelConfig
+from core.model.llama import LlamaModel, rope_cos_sin
+from core.model.model_config import ModelConfig
 from kernels import build_attention_meta, reference
 from kernels import triton_ops as tri
 

@@ -15,10 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from core.gguf import GGUFFile
-from core.loader import embedded_model_path
-from core.tokenizer import Tokenizer
-from gateway.loadgen import (
+from bench.loadgen import (
     Job,
     OpenAITarget,
     PromptMaker,
@@ -32,33 +29,9 @@ from gateway.loadgen import (
     summarize,
     trace_jobs,
 )
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--target",
-        default="ws://127.0.0.1:8000/v1/stream",
-        help="ws://.../v1/stream (this server) or http://.../v1 (any OpenAI-compatible server)",
-    )
-    p.add_argument("--model", default="smollm2", help="model name sent to OpenAI-compatible servers")
-    p.add_argument("--api-key")
-    p.add_argument("--workload", default="interference", choices=["interference", "poisson", "burst", "trace"])
-    p.add_argument("--requests", type=int, default=32, help="poisson/burst: number of requests")
-    p.add_argument("--rate", type=float, default=2.0, help="poisson: requests per second")
-    p.add_argument("--prompt", default="fixed:256", help="fixed:N | uniform:A-B | longtail")
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--trace", type=Path, help="trace: JSONL with t, prompt_tokens, output_tokens[, prefix, ...]")
-    g = p.add_argument_group("interference: N streams decoding, then long prompts arriving")
-    g.add_argument("--streams", type=int, default=8)
-    g.add_argument("--long-prompts", type=int, default=1)
-    g.add_argument("--long-tokens", type=int, default=2000)
-    g.add_argument("--long-delay-s", type=float, default=2.0)
-    g.add_argument("--decode-tokens", type=int, default=160, help="tokens each decoding stream generates")
-    p.add_argument("--sweep", help="reconfigure between runs (this server), e.g. token_budget=128,256,512")
-    p.add_argument("--tpot-slo-ms", type=float, default=100.0, help="sweeps mark the largest budget meeting it")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="directory for the JSON report and PNG plots")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+from core.model.gguf import GGUFFile
+from core.model.loader import embedded_model_path
+from core.model.tokenizer import Tokenizer
 
 
 def make_jobs(args: argparse.Namespace, make: PromptMaker) -> list[Job]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from core.request import Request
+from core.sched.request import Request
 
 # Past this queue length lpm falls back to fcfs, as SGLang does: matching
 # every waiting prompt against the cache each iteration would cost more than

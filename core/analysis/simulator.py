@@ -22,13 +22,13 @@ from typing import Any
 
 import orjson
 
-from core.batch import IterationRecord
-from core.config import CacheConfig, SchedulerConfig
-from core.cost_model import CostModel
-from core.engine import Engine
-from core.request import Request, SamplingParams
-from core.runner import SimRunner, VirtualClock
-from core.stats import gaps_ns, percentile, request_timings
+from core.analysis.cost_model import CostModel
+from core.analysis.sim_runner import SimRunner, VirtualClock
+from core.sched.batch import IterationRecord
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine
+from core.sched.request import Request, SamplingParams
+from core.sched.timings import gaps_ns, percentile, request_timings
 
 VOCAB = 32000
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import structlog
 
-from core.batch import Batch, IterationRecord
-from core.block_manager import BlockManager
-from core.config import CacheConfig, SchedulerConfig
-from core.request import Request, RequestStatus, SamplingParams
-from core.runner import Runner
-from core.scheduler import ChunkLimit, ScheduleFailed, Scheduler
+from core.sched.batch import Batch, IterationRecord
+from core.sched.block_manager import BlockManager
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.request import Request, RequestStatus, SamplingParams
+from core.sched.runner import Runner
+from core.sched.scheduler import ChunkLimit, ScheduleFailed, Scheduler
 
 log = structlog.get_logger(__name__)
 

@@ -22,9 +22,9 @@ import httpx
 import orjson
 from websockets.asyncio.client import connect
 
-from core.simulator import load_trace
-from core.stats import percentile
-from core.tokenizer import Tokenizer
+from core.analysis.simulator import load_trace
+from core.model.tokenizer import Tokenizer
+from core.sched.timings import percentile
 
 WORDS = (
     "the",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from core.model_config import ModelConfig
+from core.model.model_config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -1,27 +1,15 @@
-"""The runner seam: the engine hands it a batch, it returns sampled tokens.
-
-Two implementations share the scheduler: the torch model runner and
-``SimRunner`` here, which charges each iteration the cost model's predicted
-time and emits deterministic tokens computed from the KV it was given.
+"""The cost-model runner: charges each iteration the cost model's predicted
+time and emits deterministic tokens computed from the KV it was given, so the
+real scheduler runs at simulated scale with no model.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from core import faults
-from core.batch import Batch
-from core.cost_model import CostModel
-
-
-class Runner(Protocol):
-    eos_token_ids: frozenset[int]
-    vocab_size: int  # rows of the logits: the largest meaningful top_k
-
-    def execute(self, batch: Batch) -> list[int]:
-        """Run the batch; return one token per item that samples, in item order."""
-        ...
+from core.analysis.cost_model import CostModel
+from core.sched.batch import Batch
 
 
 class VirtualClock:

@@ -15,13 +15,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from core.batch import Batch, Item
-from core.block_manager import BlockManager
-from core.cost_model import CostModel, HardwareSpec, ModelSpec
-from core.model_runner import ModelRunner
-from core.request import Request, SamplingParams
+from core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
+from core.sched.batch import Batch, Item
+from core.sched.block_manager import BlockManager
+from core.sched.request import Request, SamplingParams
+
+if TYPE_CHECKING:  # measuring needs the model; fitting and loading a profile do not
+    from core.model.model_runner import ModelRunner
 
 FULL_CHUNKS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 QUICK_CHUNKS = (16, 128, 512, 1024, 2048)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from core.batch import Batch
-from core.loader import LoadedModel
-from core.model import LlamaModel
-from core.sampler import sample
+from core.model.llama import LlamaModel
+from core.model.loader import LoadedModel
+from core.model.sampler import sample
+from core.sched.batch import Batch
 from kernels import Linear, backend, build_attention_meta
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")

@@ -3,7 +3,7 @@
 Built either from a GGUF file's metadata (vocabulary, merges, token types,
 chat template) or from a Hugging Face ``tokenizer.json``. ``token_bytes``
 gives every token's raw bytes, so streaming can detokenize one token at a time
-(see ``core.detokenizer``).
+(see ``core.model.detokenizer``).
 """
 
 from __future__ import annotations

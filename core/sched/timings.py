@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from core.request import Timeline
+from core.sched.request import Timeline
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -24,11 +24,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from core import faults
-from core.batch import Batch, Item
-from core.block_manager import BlockManager
-from core.config import SchedulerConfig
-from core.policy import order_waiting
-from core.request import Chunk, Request, RequestStatus
+from core.sched.batch import Batch, Item
+from core.sched.block_manager import BlockManager
+from core.sched.config import SchedulerConfig
+from core.sched.policy import order_waiting
+from core.sched.request import Chunk, Request, RequestStatus
 
 # (prefix length, token budget) -> largest chunk keeping the iteration level
 ChunkLimit = Callable[[int, int], int]

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from core.engine import Engine, StepOutput
-from core.request import Request
+from core.sched.engine import Engine, StepOutput
+from core.sched.request import Request
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

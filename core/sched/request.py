@@ -76,7 +76,7 @@ class Timeline:
     """Monotonic timestamps (perf_counter_ns) of one request's life.
 
     Every interval reported anywhere (spans, metrics, done frames) is a
-    difference of these; see ``core.stats.request_timings``.
+    difference of these; see ``core.sched.timings.request_timings``.
     """
 
     arrival_ns: int

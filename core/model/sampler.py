@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from core import faults
-from core.request import SamplingParams
+from core.sched.request import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:

@@ -1,0 +1,151 @@
+"""Argument groups several commands share, and the settings built from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
+from core.sched.config import CHUNKING_MODES, POLICIES, SchedulerConfig
+
+if TYPE_CHECKING:
+    from core.build import ModelSettings
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return values
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and hardware (defaults: the article's 8B model on its illustrative GPU)")
+    m, hw = LLAMA3_8B, ARTICLE_GPU
+    g.add_argument("--params", type=float, default=m.params, help="parameter count (default %(default).3g)")
+    g.add_argument("--bytes-per-param", type=float, default=m.bytes_per_param, help="2 for bf16 (default)")
+    g.add_argument("--layers", type=int, default=m.layers)
+    g.add_argument("--heads", type=int, default=m.heads, help="query heads")
+    g.add_argument("--kv-heads", type=int, default=m.kv_heads)
+    g.add_argument("--head-dim", type=int, default=m.head_dim)
+    g.add_argument("--flops", type=float, default=hw.flops, help="sustained FLOP/s (default %(default).3g)")
+    g.add_argument("--mem-bw", type=float, default=hw.mem_bw, help="memory bandwidth, bytes/s (default %(default).3g)")
+    g.add_argument("--overhead-ms", type=float, default=0.0, help="fixed cost per iteration")
+    g.add_argument("--attention", action="store_true", help="add attention FLOPs to iteration times")
+    g.add_argument("--kv-reads", action="store_true", help="add KV-cache reads to iteration times")
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    for name in ("params", "bytes_per_param", "flops", "mem_bw"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    model = ModelSpec(
+        "custom", args.params, args.bytes_per_param, args.layers, args.heads, args.kv_heads, args.head_dim
+    )
+    if dataclasses.replace(model, name=LLAMA3_8B.name) == LLAMA3_8B:
+        model = LLAMA3_8B
+    hardware = HardwareSpec("custom", args.flops, args.mem_bw, args.overhead_ms / 1e3)
+    if dataclasses.replace(hardware, name=ARTICLE_GPU.name) == ARTICLE_GPU:
+        hardware = ARTICLE_GPU
+    return CostModel(model, hardware, attention=args.attention, kv_reads=args.kv_reads)
+
+
+SCHEDULER_FIELDS = (
+    "chunking",
+    "token_budget",
+    "max_num_seqs",
+    "max_partial_prefills",
+    "max_model_len",
+    "policy",
+    "max_defer_s",
+    "dynamic_chunking",
+    "decode_reserve_tokens",
+    "long_prefill_tokens",
+)
+
+
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler (defaults: the scenario's, else the engine's)")
+    g.add_argument("--chunking", choices=CHUNKING_MODES)
+    g.add_argument("--token-budget", type=_budget, help="tokens per iteration (serve also takes 'auto')")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-partial-prefills", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--policy", choices=POLICIES)
+    g.add_argument("--max-defer-s", type=float)
+    g.add_argument(
+        "--dynamic-chunking",
+        action="store_true",
+        default=None,
+        help="shrink later chunks so iteration time stays level (needs --attention to matter)",
+    )
+    g.add_argument("--decode-reserve-tokens", type=int)
+    g.add_argument(
+        "--long-prefill-tokens",
+        type=int,
+        help="prompts with more tokens than this left to prefill are long: short ones go first "
+        "(default 0: the token budget)",
+    )
+
+
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer or 'auto'") from None
+
+
+def scheduler_config(args: argparse.Namespace, defaults: dict[str, Any]) -> SchedulerConfig:
+    values = dict(defaults)
+    if args.token_budget == "auto":
+        raise ValueError("--token-budget auto needs the real model (stallfree serve)")
+    for name in SCHEDULER_FIELDS:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return SchedulerConfig(**values)
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated KV cache")
+    g.add_argument("--kv-blocks", type=int, default=8192, help="KV cache size in blocks (default %(default)s)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), bf16, fp32")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    g.add_argument("--threads", type=int, help="torch threads (default: all cores; serve: all but one)")
+    g.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default %(default)s GiB)")
+
+
+def model_settings(args: argparse.Namespace) -> ModelSettings:
+    from core.build import ModelSettings
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    if args.kv_cache_gib <= 0:
+        raise ValueError("--kv-cache-gib must be > 0")
+    return ModelSettings(args.model, args.dtype, args.device, args.threads, args.kv_cache_gib)
+
+
+def add_json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+
+def emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        print(text)

@@ -1,0 +1,50 @@
+"""``stallfree profile``: measure iteration time on the real model; choose token_budget from a TPOT SLO."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from cli.options import add_json_arg, add_model_args, emit, model_settings
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    pr: argparse.ArgumentParser = sub.add_parser("profile", help=__doc__.split(": ", 1)[1].rstrip("."))
+    pr.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target (default %(default)s ms)")
+    pr.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
+    pr.add_argument("--save", type=Path, help="where to write the profile (default: ~/.cache/stallfree/)")
+    add_json_arg(pr)
+    pr.add_argument("--refit", type=Path, help="fit a saved profile's measured points again (no measuring)")
+    pr.add_argument(
+        "--small-batch-rows",
+        type=int,
+        help="with --refit: batches up to this many tokens ran the compact decode GEMMs (default: as saved)",
+    )
+    add_model_args(pr)
+    return pr
+
+
+def run(args: argparse.Namespace) -> None:
+    from core.analysis.profiler import Profile, choose_budget, default_profile_path, fit, format_profile
+
+    if args.refit:  # the measured points again, through the current cost model's fit
+        prof = Profile.load(args.refit)
+        rows = args.small_batch_rows
+        cost = fit(prof.spec, prof.points, prof.hardware.small_batch_rows if rows is None else rows)
+        prof.hardware = cost.hardware
+        path = args.save or args.refit
+    else:
+        from core.analysis.profiler import profile_runner
+        from core.build import build_engine
+        from core.sched.config import SchedulerConfig
+
+        engine, runner = build_engine(model_settings(args), SchedulerConfig())
+        prof = profile_runner(runner, engine.kv.num_blocks, runner.threads, quick=args.quick)
+        path = args.save or default_profile_path(runner.config.name, prof.dtype, runner.threads)
+    prof.save(path)
+    print(f"profile saved to {path}", file=sys.stderr)
+    budget, how = choose_budget(prof.points, args.tpot_slo_ms)
+    doc = {**prof.to_json(), "tpot_slo_ms": args.tpot_slo_ms, "token_budget": budget, "token_budget_basis": how}
+    emit(args, doc, format_profile(prof, args.tpot_slo_ms))

@@ -1,0 +1,129 @@
+"""``stallfree serve``: run the gateway: WebSocket streaming, OpenAI-compatible API, dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from cli.options import add_model_args, add_scheduler_args, model_settings, scheduler_config
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    sv: argparse.ArgumentParser = sub.add_parser("serve", help=__doc__.split(": ", 1)[1].rstrip("."))
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    add_model_args(sv)
+    sv.add_argument("--model-name", help="the model id the API reports (default: the model's own name)")
+    add_scheduler_args(sv)
+    sv.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target for --token-budget auto")
+    gw = sv.add_argument_group("gateway")
+    gw.add_argument("--api-key", action="append", help="require this key (repeatable; also STALLFREE_API_KEYS)")
+    gw.add_argument(
+        "--allowed-origin",
+        action="append",
+        help="browser origin allowed to use the API and sockets, e.g. http://myhost:8000 (repeatable; "
+        "default: localhost and --host)",
+    )
+    gw.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 'overloaded'")
+    gw.add_argument("--max-generations-per-connection", type=int, default=32)
+    gw.add_argument(
+        "--key-token-rate",
+        type=float,
+        default=0.0,
+        help="tokens/s each API key may use, prompt + generated (429 with Retry-After beyond; default: no limit)",
+    )
+    gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
+    gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
+    gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")
+    gw.add_argument("--switch-interval-ms", type=float, default=1.0, help="GIL switch interval (default %(default)s)")
+    ob = sv.add_argument_group("observability (traces: the standard OTEL_* variables, off unless an endpoint is set)")
+    ob.add_argument("--trace-iterations", type=float, default=0.0, help="fraction of iterations traced as spans")
+    ob.add_argument("--log-text", action="store_true", help="log prompt and completion text (off by default)")
+    sim = sv.add_argument_group("simulated runner (no model: the cost model sets each iteration's time)")
+    sim.add_argument("--sim", action="store_true", help="serve with the simulated runner")
+    sim.add_argument("--sim-profile", type=Path, help="cost model from `stallfree profile`")
+    sim.add_argument("--sim-time-scale", type=float, default=1.0, help="multiply simulated iteration times")
+    return sv
+
+
+def run(args: argparse.Namespace) -> None:
+    from core.analysis.profiler import Profile, choose_budget
+    from gateway.auth import WILDCARD_HOSTS
+    from gateway.engine_client import EngineClient
+    from gateway.serve import log_startup, make_server
+    from gateway.settings import GatewaySettings
+    from gateway.tracing import Tracing
+
+    auto_budget = args.token_budget == "auto"
+    if auto_budget:
+        args.token_budget = None
+    config = scheduler_config(args, {})
+    keys = tuple(args.api_key or ()) + tuple(k for k in os.environ.get("STALLFREE_API_KEYS", "").split(",") if k)
+    settings = GatewaySettings(
+        max_waiting=args.max_waiting,
+        max_generations_per_connection=args.max_generations_per_connection,
+        key_token_rate=args.key_token_rate,
+        slow_consumer_s=args.slow_consumer_s,
+        api_keys=keys,
+        allowed_origins=tuple(args.allowed_origin or ()),
+        host_names=() if args.host in WILDCARD_HOSTS else (args.host,),
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    facts: dict[str, object] = {}
+    if args.sim:
+        from core.build import build_sim_engine
+
+        cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
+        engine, tokenizer = build_sim_engine(
+            config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
+        )
+        settings.model_name = "stallfree-sim"
+        facts = {"runner": "simulated"}
+    else:
+        from core.analysis.profiler import saved_or_quick_profile
+        from core.build import build_engine
+
+        settings_model = model_settings(args)
+        if settings_model.threads is None:
+            # leave a core to the event loop, tokenization and local clients
+            # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
+            settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
+        engine, runner = build_engine(settings_model, config)
+        tokenizer = runner.tokenizer
+        settings.model_name = args.model_name or runner.config.name
+        facts = {
+            "runner": "torch",
+            "dtype": str(runner.dtype),
+            "threads": runner.threads,
+            "device": str(runner.device),
+            "kernels": runner.kernels,
+        }
+        if auto_budget or args.dynamic_chunking:
+            prof, source = saved_or_quick_profile(runner, engine.kv.num_blocks, runner.threads)
+            engine.scheduler.chunk_limit = prof.cost_model.level_chunk
+            facts["profile"] = source
+            if auto_budget:
+                budget, how = choose_budget(prof.points, args.tpot_slo_ms)
+                engine.warnings += engine.reconfigure({"token_budget": budget})
+                facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
+    # the step thread's Python (scheduling, input prep) holds the GIL in 5 ms
+    # slices by default, delaying the event loop's fan-out by as much
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    tracing = Tracing.from_env(args.trace_iterations)
+    facts["tracing"] = "otlp" if tracing is not None else "off"
+    client = EngineClient(engine, tokenizer, settings, tracing, log_text=args.log_text)
+    send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
+    server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
+    log_startup(engine, client, api_keys=len(keys), host=args.host, port=args.port, **facts)
+    # Startup objects (tokenizer tables, model config, modules) move out of the
+    # collector's way: full collections over them stalled token delivery.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)  # fewer young collections in the middle of a fan-out burst
+    server.run()
+    if client.fatal is not None:
+        sys.exit(f"stallfree: the engine stopped: {client.fatal}")

@@ -1,0 +1,21 @@
+"""The runner seam: the engine hands it a batch, it returns sampled tokens.
+
+Two implementations share the scheduler: the torch model runner
+(``core.model.model_runner``) and the cost-model runner
+(``core.analysis.sim_runner``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from core.sched.batch import Batch
+
+
+class Runner(Protocol):
+    eos_token_ids: frozenset[int]
+    vocab_size: int  # rows of the logits: the largest meaningful top_k
+
+    def execute(self, batch: Batch) -> list[int]:
+        """Run the batch; return one token per item that samples, in item order."""
+        ...

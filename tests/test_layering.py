@@ -1,0 +1,117 @@
+"""The layering rules of DESIGN.md, checked in fresh interpreters.
+
+Each check imports a module in a new subprocess with an import hook that
+records which of our modules first pulled in a forbidden package, so a
+violation names its culprit: the scheduler decides and never loads torch,
+the gateway's app never loads torch, ``kernels`` never loads core or the
+gateway, and ``stallfree plan``/``simulate`` run without torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs in the subprocess: import (or run) the target, then print every
+# forbidden package that got imported and the first of our modules on the
+# stack when it did.
+_PROBE = """
+import importlib, inspect, sys
+forbidden, target, argv = sys.argv[1].split(","), sys.argv[2], sys.argv[3:]
+culprits = {}
+class Watch:
+    def find_spec(self, name, path=None, target_=None):
+        top = name.split(".")[0]
+        if top in forbidden and top not in culprits:
+            ours = [f.frame.f_globals.get("__name__", "") for f in inspect.stack()]
+            ours = [m for m in ours if m.split(".")[0] in ("core", "gateway", "kernels", "cli", "bench")]
+            culprits[top] = ours[0] if ours else "?"
+        return None
+sys.meta_path.insert(0, Watch())
+module = importlib.import_module(target)
+if argv:
+    assert module.main(argv) == 0
+for name, who in sorted(culprits.items()):
+    print(f"layering: {target} -> {name} (imported by {who})")
+"""
+
+
+def violations(target: str, forbidden: tuple[str, ...], argv: tuple[str, ...] = (), root: Path = ROOT) -> list[str]:
+    """Forbidden packages that importing target (then ``main(argv)``) loads, in a fresh interpreter."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, ",".join(forbidden), target, *argv],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return [line.removeprefix("layering: ") for line in out.stdout.splitlines() if line.startswith("layering: ")]
+
+
+def modules(package: str, root: Path = ROOT) -> list[str]:
+    folder = root / package.replace(".", "/")
+    return sorted(
+        ".".join(p.relative_to(root).with_suffix("").parts) for p in folder.rglob("*.py") if p.name != "__init__.py"
+    )
+
+
+def test_scheduler_package_imports_no_torch_and_no_gateway():
+    for module in modules("core.sched"):
+        assert violations(module, ("torch", "gateway", "kernels")) == []
+
+
+def test_analysis_package_imports_no_torch():
+    """The planner, simulator and cost model run where torch is not installed."""
+    for module in modules("core.analysis"):
+        assert violations(module, ("torch", "gateway")) == []
+
+
+def test_plan_and_simulate_commands_run_without_torch():
+    assert violations("cli", ("torch",), ("plan", "--json")) == []
+    assert violations("cli", ("torch",), ("simulate", "--scenario", "burst", "--json")) == []
+
+
+def test_gateway_app_imports_no_torch():
+    assert violations("gateway.app", ("torch", "kernels")) == []
+    assert violations("gateway.engine_client", ("torch", "kernels")) == []
+
+
+def test_kernels_import_neither_core_nor_gateway():
+    assert violations("kernels", ("core", "gateway", "cli")) == []
+
+
+def test_core_imports_no_gateway_and_no_event_loop():
+    """Core runs on the step thread: no module of it imports asyncio or anyio
+    itself (libraries such as structlog may), nor anything of the gateway."""
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in ("asyncio", "anyio", "gateway", "cli"), f"{path}: imports {name}"
+    assert violations("core.build", ("gateway", "cli")) == []
+
+
+def test_the_check_catches_torch_added_to_the_scheduler(tmp_path: Path):
+    """What a maintainer adding ``import torch`` to the scheduler would see."""
+    for package in ("core", "kernels"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    scheduler = tmp_path / "core" / "sched" / "scheduler.py"
+    scheduler.write_text(
+        scheduler.read_text().replace("from collections import", "import torch\nfrom collections import")
+    )
+    found = violations("core.sched.engine", ("torch",), root=tmp_path)
+    assert found == ["core.sched.engine -> torch (imported by core.sched.scheduler)"]
