@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
     client = EngineClient(engine, tokenizer, settings, tracing, log_text=args.log_text)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
     server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
-    log_startup(engine, client, api_keys=len(keys), host=args.host, port=args.port, **facts)
+    log_startup(client, api_keys=len(keys), host=args.host, port=args.port, **facts)
     # Startup objects (tokenizer tables, model config, modules) move out of the
     # collector's way: full collections over them stalled token delivery.
     gc.collect()

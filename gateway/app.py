@@ -49,26 +49,18 @@ async def readyz(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-async def config_view(client: EngineClient) -> dict[str, Any]:
-    """Settings and KV usage, read on the step thread between iterations."""
-    engine = client.engine
-
-    def snapshot() -> dict[str, Any]:
-        kv = engine.kv
-        return {
-            "scheduler": dataclasses.asdict(engine.config),
-            "kv_cache": {
-                "blocks": kv.num_blocks,
-                "block_size": kv.block_size,
-                "used_blocks": kv.num_used_blocks,
-                "free_blocks": kv.num_free_blocks,
-                "cached_blocks": kv.num_cached_blocks,
-            },
-        }
-
-    view = await asyncio.wrap_future(client.step_loop.call(snapshot))
+def config_view(client: EngineClient) -> dict[str, Any]:
+    """Settings and KV usage, as the step thread last published them."""
+    s = client.snapshot
     return {
-        **view,
+        "scheduler": dataclasses.asdict(s.config),
+        "kv_cache": {
+            "blocks": s.kv_blocks,
+            "block_size": s.kv_block_size,
+            "used_blocks": s.counts.kv_used_blocks,
+            "free_blocks": s.counts.kv_free_blocks,
+            "cached_blocks": s.counts.kv_cached_blocks,
+        },
         "live_settings": list(LIVE_SETTINGS),
         "model": client.settings.model_name,
         "auth_required": bool(client.settings.api_keys),
@@ -82,10 +74,10 @@ async def api_config(request: Request) -> Response:
         if client.fatal is not None:
             raise EngineStopped(client.fatal)
         if request.method in ("GET", "HEAD"):
-            return JSONResponse(await config_view(client))
+            return JSONResponse(config_view(client))
         changes = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
         warnings = await asyncio.wrap_future(client.step_loop.reconfigure(changes))
-        return JSONResponse({**await config_view(client), "warnings": warnings})
+        return JSONResponse({**config_view(client), "warnings": warnings})
     except EngineStopped as exc:
         return error_response("unavailable", f"the engine stopped: {exc}")
     except ProtocolError as exc:

@@ -32,7 +32,7 @@ class TelemetryHub:
             await anyio.sleep(1 / FRAMES_PER_S)
             if not self.subscribers:
                 continue
-            cfg = self.client.engine.config
+            cfg = self.client.snapshot.config
             config = {"chunking": cfg.chunking, "token_budget": cfg.token_budget, "policy": cfg.policy}
             text = orjson.dumps(self.client.telemetry.frame(config)).decode()
             for sub in list(self.subscribers):

@@ -19,15 +19,15 @@ import structlog
 
 from core import faults
 from core.model.tokenizer import Tokenizer
-from core.sched.engine import Engine, RequestOutput, RequestRejected, StepOutput
-from core.sched.request import Request
+from core.sched.engine import Engine, EngineSnapshot, RequestOutput, RequestRejected, StepOutput
+from core.sched.request import FinishReason, Request
 from core.sched.step_loop import StepLoop
 from core.sched.timings import request_timings
 from gateway.metrics import Metrics
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
-from gateway.streams import SLOW_CONSUMER, RequestStream
+from gateway.streams import RequestStream
 from gateway.telemetry import Telemetry
 from gateway.tracing import Tracing
 
@@ -90,6 +90,11 @@ class EngineClient:
             self.tracing.shutdown()
 
     @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's settings and KV counts as the step thread last published them."""
+        return self.step_loop.snapshot
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -133,7 +138,7 @@ class EngineClient:
         finally:
             self._tokenizing -= 1
         sampling = req.sampling
-        limit = self.engine.config.max_model_len
+        limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:
             sampling.max_tokens = max(1, limit - len(ids))
         request = Request(request_id, ids, sampling, arrival_ns, req.priority, req.tenant)
@@ -169,7 +174,7 @@ class EngineClient:
     def _submit_failed(self, request_id: str, exc: BaseException | None) -> None:
         """Step thread: the engine refused a request that passed the checks (a bug)."""
         log.error("engine_refused_request", request_id=request_id, error=repr(exc))
-        self._call_soon(self._fail, request_id, "error")
+        self._call_soon(self._fail, request_id, FinishReason.ERROR)
 
     def cancel(self, request_id: str) -> None:
         """Abort in the engine (KV freed there); the stream ends with reason 'abort'."""
@@ -201,7 +206,7 @@ class EngineClient:
         self.accepting = False
         log.critical("engine_failed", reason=reason, in_flight=len(self._streams))
         for request_id in list(self._streams):
-            self._fail(request_id, "error")
+            self._fail(request_id, FinishReason.ERROR)
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -231,7 +236,7 @@ class EngineClient:
                 self._deliver(o, emit_ns)
             except Exception:  # one request's failure must not stall everybody's delivery
                 log.exception("fan_out_failed", request_id=o.request_id)
-                self._fail(o.request_id, "error")
+                self._fail(o.request_id, FinishReason.ERROR)
 
     def _deliver(self, o: RequestOutput, emit_ns: int) -> None:
         faults.point("fan_out")
@@ -250,11 +255,11 @@ class EngineClient:
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
             log.warning("slow_consumer", request_id=o.request_id)
             self.metrics.slow_consumers.inc()
-            self._fail(o.request_id, SLOW_CONSUMER)
+            self._fail(o.request_id, FinishReason.SLOW_CONSUMER)
         elif o.finish_reason is not None:
             del self._streams[o.request_id]
 
-    def _finished(self, req: Request, finish_reason: str) -> None:
+    def _finished(self, req: Request, finish_reason: FinishReason) -> None:
         """Metrics, the request's spans and its log line, from the engine's timestamps."""
         self.metrics.observe_finish(req, finish_reason)
         if self.rate_limit is not None:
@@ -277,7 +282,7 @@ class EngineClient:
             fields["completion"] = self.tokenizer.decode(req.output_token_ids)
         log.info("request_finished", **fields)
 
-    def _fail(self, request_id: str, reason: str) -> None:
+    def _fail(self, request_id: str, reason: FinishReason) -> None:
         stream = self._streams.pop(request_id, None)
         self._unstarted.discard(request_id)
         if stream is not None:

@@ -11,11 +11,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from core.model.detokenizer import Detokenizer
-from core.sched.request import Request
+from core.sched.request import FinishReason, Request
 from gateway.protocol import ProtocolError
-from gateway.streams import SLOW_CONSUMER, Delta, RequestStream
+from gateway.streams import Delta, RequestStream
 
-FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+# The one mapping from the engine's finish reasons to what clients of both
+# APIs see: a normal end with its wire string, or an error frame/response.
+WIRE_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
+WIRE_ERROR = {
+    FinishReason.SLOW_CONSUMER: ("slow_consumer", "client read too slowly; generation cancelled"),
+    FinishReason.ERROR: ("internal", "the engine failed while running this request"),
+}
 
 
 @dataclass(slots=True)
@@ -39,10 +45,8 @@ class PieceMaker:
     def feed(self, delta: Delta) -> Piece | None:
         """The piece for this delta (None if nothing to show). Raises ProtocolError
         for a slow consumer or an engine error."""
-        if delta.finish_reason == SLOW_CONSUMER:
-            raise ProtocolError(SLOW_CONSUMER, "client read too slowly; generation cancelled")
-        if delta.finish_reason == "error":
-            raise ProtocolError("internal", "the engine failed while running this request")
+        if delta.finish_reason in WIRE_ERROR:
+            raise ProtocolError(*WIRE_ERROR[delta.finish_reason])
         ids = [] if self._stopped else delta.token_ids
         text = self._detok.push(ids) if ids else ""
         if self._detok.stopped and not self._stopped:
@@ -50,7 +54,7 @@ class PieceMaker:
             self._cancel()
         if delta.finish_reason is not None:
             text += self._detok.flush()
-            reason = "stop" if self._stopped else FINISH[delta.finish_reason]
+            reason = WIRE_FINISH[FinishReason.STOP if self._stopped else delta.finish_reason]
             return Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.request)
         if ids or text:
             return Piece(delta.first_index, text, ids, delta.emit_ns)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from core.sched.batch import IterationRecord
 from core.sched.config import CHUNKING_MODES
 from core.sched.engine import Counts
-from core.sched.request import Request
+from core.sched.request import FinishReason, Request
 from core.sched.timings import gaps_ns
 
 LATENCY_BUCKETS = (
@@ -100,12 +100,12 @@ class Metrics:
                 self.itl.observe(gap_s)
                 gap_s = 0.0
 
-    def observe_finish(self, req: Request, finish_reason: str) -> None:
+    def observe_finish(self, req: Request, finish_reason: FinishReason) -> None:
         tl = req.timeline
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.prefix_hit_tokens.inc(req.num_cached_tokens)
-        if finish_reason == "abort":
+        if finish_reason == FinishReason.ABORT:
             self.aborts.inc()
         if tl.finished_ns is None:
             return

@@ -85,7 +85,7 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
         if "messages" in body:
             raise ProtocolError("invalid_request", "completions take prompt, not messages")
         defaults = {"temperature": 1.0, "max_tokens": 16}
-    return parse_generate(body, defaults, client.engine.config.max_model_len)
+    return parse_generate(body, defaults, client.snapshot.config.max_model_len)
 
 
 async def completions(request: Request) -> Response:

@@ -20,7 +20,6 @@ import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import CloseCode, Frame, Opcode
 
-from core.sched.engine import Engine
 from gateway.app import create_app
 from gateway.engine_client import EngineClient
 
@@ -105,10 +104,11 @@ def make_server(
     return DrainingServer(config, client, send_buffer_bytes)
 
 
-def log_startup(engine: Engine, client: EngineClient, **facts: object) -> None:
+def log_startup(client: EngineClient, **facts: object) -> None:
     """The effective configuration, as the article advises reading it from the startup log."""
-    cfg = engine.config
-    for warning in engine.warnings:
+    s = client.snapshot
+    cfg = s.config
+    for warning in s.warnings:
         log.warning("config_clamped", detail=warning)
     log.info(
         "engine_started",
@@ -121,9 +121,9 @@ def log_startup(engine: Engine, client: EngineClient, **facts: object) -> None:
         max_defer_s=cfg.max_defer_s,
         dynamic_chunking=cfg.dynamic_chunking,
         max_model_len=cfg.max_model_len,
-        kv_blocks=engine.kv.num_blocks,
-        kv_block_size=engine.kv.block_size,
-        kv_tokens=engine.kv.num_blocks * engine.kv.block_size,
+        kv_blocks=s.kv_blocks,
+        kv_block_size=s.kv_block_size,
+        kv_tokens=s.kv_blocks * s.kv_block_size,
         model=client.settings.model_name,
         **facts,
     )

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from core.sched.request import Request
-
-SLOW_CONSUMER = "slow_consumer"
+from core.sched.request import FinishReason, Request
 
 
 @dataclass(slots=True)
@@ -25,7 +23,7 @@ class Delta:
     token_ids: list[int]
     first_index: int  # index of token_ids[0] in the completion
     emit_ns: int  # engine time (perf_counter_ns) the last of these tokens was produced
-    finish_reason: str | None = None  # stop | length | abort | error | slow_consumer
+    finish_reason: FinishReason | None = None
     request: Request | None = None  # on finish: the request's timeline and usage
 
 
@@ -42,7 +40,9 @@ class RequestStream:
         # called after every put: lets one task per connection drain many streams
         self.on_put: Callable[[], None] | None = None
 
-    def put(self, token_ids: list[int], emit_ns: int, finish_reason: str | None, request: Request | None) -> bool:
+    def put(
+        self, token_ids: list[int], emit_ns: int, finish_reason: FinishReason | None, request: Request | None
+    ) -> bool:
         """Called on the event loop; never blocks. False: the consumer is hopelessly behind."""
         if self.finished:
             return True
@@ -66,7 +66,7 @@ class RequestStream:
         p.emit_ns, p.finish_reason, p.request = delta.emit_ns, delta.finish_reason, delta.request
         return self.finished or time.perf_counter_ns() - self._pending_since < self._slow_ns
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: FinishReason) -> None:
         """End the stream now (unsent overflow dropped): the consumer sees reason next."""
         self.finished = True
         delta: Delta | None = Delta([], self.num_tokens, time.perf_counter_ns(), reason)

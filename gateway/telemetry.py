@@ -26,7 +26,7 @@ MAX_PENDING = 2000  # per kind, between two frames
 class Telemetry:
     def __init__(self) -> None:
         self._t0 = time.perf_counter_ns()
-        self._gaps: list[list[float]] = []  # [series slot, t ms, gap ms, stall]
+        self._gaps: list[list[float]] = []  # [series slot, t ms, gap ms, stalled]
         self._iterations: list[list[float]] = []  # [t ms, duration ms, decode, prefill, budget]
         self._ttfts: list[list[Any]] = []  # [request id, queue ms, prefill ms]
         self._window: deque[tuple[int, float]] = deque(maxlen=20_000)  # (t ns, gap ms)
@@ -49,8 +49,8 @@ class Telemetry:
                 ]
             )
 
-    def on_gap(self, request_id: str, emit_ns: int, gap_ns: int, stall: bool) -> None:
-        """One inter-token gap; stall: the iteration also ran another request's prefill chunk."""
+    def on_gap(self, request_id: str, emit_ns: int, gap_ns: int, stalled: bool) -> None:
+        """One inter-token gap; stalled: the iteration also ran another request's prefill chunk."""
         gap_ms = gap_ns / 1e6
         self._window.append((emit_ns, gap_ms))
         slot = self._slots.get(request_id)
@@ -58,7 +58,7 @@ class Telemetry:
             used = set(self._slots.values())
             slot = self._slots[request_id] = next(i for i in range(MAX_SERIES) if i not in used)
         if slot is not None and len(self._gaps) < MAX_PENDING:
-            self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stall)])
+            self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stalled)])
 
     def on_finish(self, req: Request) -> None:
         self._slots.pop(req.request_id, None)

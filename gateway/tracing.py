@@ -27,7 +27,7 @@ from opentelemetry.trace import Link, Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from core.sched.batch import IterationRecord
-from core.sched.request import Request
+from core.sched.request import FinishReason, Request
 from core.sched.timings import request_timings
 
 log = structlog.get_logger(__name__)
@@ -95,7 +95,7 @@ class Tracing:
         )
         self._roots[request_id] = span
 
-    def finish_request(self, req: Request, finish_reason: str) -> None:
+    def finish_request(self, req: Request, finish_reason: FinishReason) -> None:
         root = self._roots.pop(req.request_id, None)
         if root is None:
             return
@@ -129,7 +129,7 @@ class Tracing:
                         "stallfree.itl_p50_ms": t.itl_p50_ms,
                         "stallfree.itl_p99_ms": t.itl_p99_ms,
                         "stallfree.max_gap_ms": t.max_gap_ms,
-                        "stallfree.gaps_with_prefill": t.gaps_with_prefill,
+                        "stallfree.stalled_gaps": t.stalled_gaps,
                     }
                 )
                 decode.end(self._wall(end))

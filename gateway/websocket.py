@@ -160,7 +160,7 @@ class Connection:
         """Validate, tokenize (off the loop) and submit; the writer streams the rest."""
         gen = self.gens[gen_id]
         try:
-            req = parse_generate(frame, WS_DEFAULTS, self.client.engine.config.max_model_len)
+            req = parse_generate(frame, WS_DEFAULTS, self.client.snapshot.config.max_model_len)
             req.tenant = self.tenant
             timestamps = boolean(frame, "timestamps")
             if req.traceparent is None:

@@ -133,7 +133,7 @@ async def test_demo_shows_the_long_prompt_in_the_iteration_chart(server, browser
         assert d["maxPrefill"] <= 256  # spread over chunks within the budget
     else:
         assert d["maxPrefill"] > 2500  # one whole-prompt iteration: the frozen batch
-    assert d["stallPoints"] > 0  # the chats' gaps that overlapped it are marked
+    assert d["stalledPoints"] > 0  # the chats' gaps that overlapped it are marked
     assert "long prompt TTFT" in await page.page.inner_text("#status")
     ARTIFACTS.mkdir(exist_ok=True)
     await page.page.screenshot(path=str(ARTIFACTS / f"dashboard-{chunking}.png"), full_page=True)

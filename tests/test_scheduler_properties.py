@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from core.sched.config import CHUNKING_MODES, POLICIES
 from core.sched.engine import RequestRejected
-from core.sched.request import RequestStatus
+from core.sched.request import FinishReason, RequestStatus
 from tests.simkit import request, sim_engine, tokens
 
 PREFIXES = {name: tokens(("prefix", name), 24) for name in ("sys-a", "sys-b")}
@@ -97,7 +97,7 @@ def run(
             if reqs[i].num_prompt_tokens >= e.config.max_model_len:
                 with pytest.raises(RequestRejected):
                     e.add_request(reqs[i])
-                reqs[i].status = RequestStatus.FINISHED_ERROR  # refused before any work
+                reqs[i].status = RequestStatus.FINISHED  # refused before any work
                 continue
             e.add_request(reqs[i])
             added_at[i] = steps
@@ -167,11 +167,11 @@ def test_invariants_hold_on_random_traces(specs, cfg, num_blocks, block_size):
     e, reqs = run(specs, cfg, num_blocks, block_size, check=invariants)
     event(f"preempted: {e.scheduler.num_preemptions > 0}")
     event(f"prefix hits: {e.kv.prefix_hit_tokens > 0}")
-    assert all(r.status.finished for r in reqs)
+    assert all(r.status == RequestStatus.FINISHED for r in reqs)
     assert e.kv.num_free_blocks == e.kv.num_blocks
     assert e.kv.num_reserved_blocks == 0
     for r, s in zip(reqs, specs, strict=True):
-        if r.status == RequestStatus.FINISHED_LENGTH:
+        if r.finish_reason == FinishReason.LENGTH:
             assert r.num_output_tokens == s.max_tokens or r.num_tokens == e.config.max_model_len
 
 

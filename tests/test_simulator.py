@@ -26,7 +26,7 @@ def test_figure3_stall_free():
     assert all(it["chunks"]["A"] == 512 and it["decode_tokens"] == 64 for it in its)
     # B gets a token in every one of A's chunk iterations: its gaps never exceed one of them
     assert b["max_gap_ms"] == pytest.approx(23.04, rel=0.01)
-    assert b["gaps_with_prefill"] >= 16
+    assert b["stalled_gaps"] >= 16
     assert a["prefill_ms"] == pytest.approx(368.6, rel=0.01)
     assert a["queue_wait_ms"] < 6  # it waited at most one decode iteration to start
 
@@ -37,7 +37,7 @@ def test_figure3_unchunked_stalls_b_for_the_whole_prefill():
     assert rep["requests"]["A"]["chunks"] == 1
     assert b["max_gap_ms"] == pytest.approx(327.7 + 5.33, rel=0.01)
     # B sat out A's prefill iteration: the gap spanning it overlapped another request's prefill
-    assert b["gaps_with_prefill"] == 1
+    assert b["stalled_gaps"] == 1
     assert rep["summary"]["itl_p50_ms"] == pytest.approx(5.33, rel=0.01)  # the average user sees nothing
 
 

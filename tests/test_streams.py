@@ -4,7 +4,8 @@ import time
 
 import anyio
 
-from gateway.streams import SLOW_CONSUMER, RequestStream
+from core.sched.request import FinishReason
+from gateway.streams import RequestStream
 
 
 async def test_overflow_coalesces_into_one_delta_in_order():
@@ -44,10 +45,10 @@ async def test_hopelessly_behind_is_reported_then_failed():
     assert s.put([2], 2, None, None)
     time.sleep(0.06)
     assert not s.put([3], 3, None, None)  # unread for longer than slow_consumer_s
-    s.fail(SLOW_CONSUMER)
+    s.fail(FinishReason.SLOW_CONSUMER)
     assert (await s.get()).token_ids == [0]
     last = await s.get()
-    assert last.finish_reason == SLOW_CONSUMER and last.token_ids == []
+    assert last.finish_reason == FinishReason.SLOW_CONSUMER and last.token_ids == []
     assert s.put([4], 4, None, None)  # ignored once finished
 
 
@@ -61,5 +62,5 @@ async def test_fail_wakes_a_waiting_consumer():
 
         tg.start_soon(consume)
         await anyio.sleep(0.01)
-        s.fail("shutdown")
-    assert got[0].finish_reason == "shutdown"
+        s.fail(FinishReason.ABORT)
+    assert got[0].finish_reason == FinishReason.ABORT

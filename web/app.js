@@ -12,7 +12,7 @@ const WS_BASE = (location.protocol === "https:" ? "wss://" : "ws://") + location
 
 // what the browser tests read
 const dash = window.dashboard = {
-  connected: false, frames: 0, gapPoints: 0, stallPoints: 0, iterations: 0,
+  connected: false, frames: 0, gapPoints: 0, stalledPoints: 0, iterations: 0,
   maxPrefill: 0, prefillTokens: 0, demoDone: false, chatReplies: 0,
 };
 let apiKey = sessionStorage.getItem("stallfree-key") || "";
@@ -46,7 +46,7 @@ for (let i = 0; i < SERIES; i++) {
   gapSeries.push({ label: `stream ${i + 1}`, stroke: STEADY[i], paths: noLine,
                    points: { show: true, size: 5, fill: STEADY[i] } });
 }
-gapSeries.push({ label: "stall", stroke: STALL, paths: noLine, points: { show: true, size: 7, fill: STALL } });
+gapSeries.push({ label: "stalled", stroke: STALL, paths: noLine, points: { show: true, size: 7, fill: STALL } });
 const gapChart = makeChart($("gaps-chart"), 240, gapSeries, { axes: axes("gap ms"), legend: false });
 const gapData = [[]].concat(gapSeries.slice(1).map(() => []));
 
@@ -79,13 +79,13 @@ function onFrame(f) {
   dash.frames++;
   const now = f.t / 1000;
   const gaps = f.gaps.slice().sort((a, b) => a[1] - b[1]);
-  for (const [slot, t, gap, stall] of gaps) {
+  for (const [slot, t, gap, stalled] of gaps) {
     gapData[0].push(t / 1000);
     for (let s = 1; s < gapData.length; s++) gapData[s].push(null);
-    const col = stall ? gapData.length - 1 : slot + 1;
+    const col = stalled ? gapData.length - 1 : slot + 1;
     gapData[col][gapData[0].length - 1] = gap;
     dash.gapPoints++;
-    if (stall) dash.stallPoints++;
+    if (stalled) dash.stalledPoints++;
   }
   for (const [t, dur, decode, prefill, budget] of f.iterations) {
     iterData[0].push(t / 1000);

@@ -1,14 +1,38 @@
-"""Scheduler and KV-cache settings, and the one place they are checked."""
+"""Scheduler and KV-cache settings, and the one place they are checked.
+
+``SchedulerConfig`` is frozen: a live change (``PUT /api/config``) builds a
+new one on the step thread, so no other thread ever sees one half-changed.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-CHUNKING_MODES = ("stall_free", "none", "decode_first")
-POLICIES = ("fcfs", "sjf", "lpm", "priority", "fair")
+
+class Chunking(StrEnum):
+    """How an iteration's batch mixes prefill with decodes (see ``SchedulerConfig``)."""
+
+    STALL_FREE = "stall_free"
+    NONE = "none"
+    DECODE_FIRST = "decode_first"
+
+
+class Policy(StrEnum):
+    """Which waiting prompt is admitted next (``core.sched.policy``)."""
+
+    FCFS = "fcfs"
+    SJF = "sjf"
+    LPM = "lpm"
+    PRIORITY = "priority"
+    FAIR = "fair"
+
+
+CHUNKING_MODES = tuple(c.value for c in Chunking)
+POLICIES = tuple(p.value for p in Policy)
 
 # Settings the step thread may change between iterations (PUT /api/config).
 LIVE_SETTINGS = (
@@ -37,7 +61,7 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
 }
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     """How each iteration's batch is formed.
 
@@ -54,8 +78,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_partial_prefills: int = 2
     max_model_len: int = 8192
-    chunking: str = "stall_free"
-    policy: str = "fcfs"
+    chunking: Chunking = Chunking.STALL_FREE
+    policy: Policy = Policy.FCFS
     max_defer_s: float = 30.0
     dynamic_chunking: bool = False
     # KV admission reserves room for this many generated tokens (at most
@@ -76,7 +100,8 @@ class SchedulerConfig:
         """Return a checked copy (budget clamped up if too small) and warnings.
 
         Raises ValueError naming the field for values that cannot be repaired:
-        each setting has one type and a finite range (``RANGES``).
+        each setting has one type and a finite range (``RANGES``). Mode and
+        policy given as strings come back as their enums.
         """
         for name, (kind, low, high) in RANGES.items():
             value = getattr(self, name)
@@ -92,13 +117,16 @@ class SchedulerConfig:
                     what = "an integer" if kind is int else "a number"
                     raise ValueError(f"{name} must be {what} in [{low}, {high}]")
         warnings = []
-        checked = dataclasses.replace(self)
-        if self.token_budget < self.min_token_budget:
+        budget = self.token_budget
+        if budget < self.min_token_budget:
             warnings.append(
-                f"token_budget {self.token_budget} leaves no prefill headroom over "
+                f"token_budget {budget} leaves no prefill headroom over "
                 f"max_num_seqs {self.max_num_seqs}; clamped to {self.min_token_budget}"
             )
-            checked.token_budget = self.min_token_budget
+            budget = self.min_token_budget
+        checked = dataclasses.replace(
+            self, token_budget=budget, chunking=Chunking(self.chunking), policy=Policy(self.policy)
+        )
         return checked, warnings
 
     def with_changes(self, changes: dict[str, Any]) -> tuple[SchedulerConfig, list[str]]:

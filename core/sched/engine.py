@@ -6,6 +6,7 @@ thread with ``perf_counter_ns``; the simulator drives it with a virtual clock.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import structlog
 from core.sched.batch import Batch, IterationRecord
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.request import Request, RequestStatus, SamplingParams
+from core.sched.request import FinishReason, Request, SamplingParams
 from core.sched.runner import Runner
 from core.sched.scheduler import ChunkLimit, ScheduleFailed, Scheduler
 
@@ -37,9 +38,9 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: FinishReason | None = None
     request: Request | None = None  # set once finished: the engine no longer touches it
-    stalled: bool = False  # another request's prefill ran since this request's previous token
+    stalled: bool = False  # the gap before this token was stalled: another request's prefill ran in it
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,11 +55,37 @@ class Counts:
     kv_cached_blocks: int
 
 
+@dataclass(slots=True, frozen=True)
+class EngineSnapshot:
+    """What other threads may read of the engine: its settings and KV counts
+    as the step thread last published them (never the live objects)."""
+
+    config: SchedulerConfig
+    counts: Counts
+    kv_blocks: int
+    kv_block_size: int
+    vocab_size: int
+    warnings: tuple[str, ...]  # start-up clamps of the settings
+
+
 @dataclass(slots=True)
 class StepOutput:
     iteration: IterationRecord | None  # None when only aborts or failures are reported
     outputs: list[RequestOutput]
     counts: Counts
+
+
+def check_request(num_prompt_tokens: int, sampling: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Refuse what can never run (``RequestRejected``, or ValueError naming a sampling field)."""
+    sampling.validate()
+    if sampling.top_k > vocab_size:
+        raise RequestRejected("invalid_request", f"top_k must be at most the vocabulary size ({vocab_size})")
+    if num_prompt_tokens < 1:
+        raise RequestRejected("invalid_request", "prompt is empty")
+    if num_prompt_tokens >= max_model_len:
+        raise RequestRejected(
+            "prompt_too_long", f"prompt has {num_prompt_tokens} tokens; the context limit is {max_model_len}"
+        )
 
 
 class Engine:
@@ -79,7 +106,7 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the KV cache ({cache_config.num_tokens} tokens); "
                 f"clamped to {cache_config.num_tokens}"
             )
-            config.max_model_len = cache_config.num_tokens
+            config = dataclasses.replace(config, max_model_len=cache_config.num_tokens)
         self.kv = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, chunk_limit)
         self.runner = runner
@@ -92,24 +119,16 @@ class Engine:
     def config(self) -> SchedulerConfig:
         return self.scheduler.config
 
-    # -- requests ----------------------------------------------------------
-    def check(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        """Refuse what can never run. Reads only fixed settings: safe from any thread."""
-        sampling.validate()
-        if sampling.top_k > self.runner.vocab_size:
-            raise RequestRejected(
-                "invalid_request", f"top_k must be at most the vocabulary size ({self.runner.vocab_size})"
-            )
-        limit = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise RequestRejected("invalid_request", "prompt is empty")
-        if num_prompt_tokens >= limit:
-            raise RequestRejected(
-                "prompt_too_long", f"prompt has {num_prompt_tokens} tokens; the context limit is {limit}"
-            )
+    def snapshot(self) -> EngineSnapshot:
+        kv = self.kv
+        warnings = tuple(self.warnings)
+        return EngineSnapshot(
+            self.config, self.counts(), kv.num_blocks, kv.block_size, self.runner.vocab_size, warnings
+        )
 
+    # -- requests ----------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self.check(req.num_prompt_tokens, req.sampling)
+        check_request(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.runner.vocab_size)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> bool:
@@ -175,7 +194,7 @@ class Engine:
             if req.request_id in seen:
                 continue
             seen.add(req.request_id)
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, now_ns)
+            self.scheduler.finish(req, FinishReason.ERROR, now_ns)
             self._unreported.append(req)
 
     def fail_all(self) -> None:
@@ -189,7 +208,7 @@ class Engine:
     def _collect(self, record: IterationRecord | None, emitted: list[tuple[Request, int, bool]]) -> StepOutput | None:
         outputs = []
         for req, token, stalled in emitted:
-            done = req.status.finished
+            done = req.finish_reason is not None
             outputs.append(RequestOutput(req.request_id, [token], req.finish_reason, req if done else None, stalled))
         outputs += [RequestOutput(r.request_id, [], r.finish_reason, r) for r in self._unreported]
         self._unreported = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from core.sched.config import Policy
 from core.sched.request import Request
 
 # Past this queue length lpm falls back to fcfs, as SGLang does: matching
@@ -24,7 +25,7 @@ LPM_MAX_QUEUE = 128
 
 def order_waiting(
     waiting: list[Request],
-    policy: str,
+    policy: Policy,
     now_ns: int,
     max_defer_s: float,
     cached_prefix_tokens: Callable[[Request], int],
@@ -33,13 +34,13 @@ def order_waiting(
     deadline = now_ns - int(max_defer_s * 1e9)
     overdue = sorted((r for r in waiting if r.arrival_ns < deadline), key=lambda r: r.arrival_ns)
     rest = [r for r in waiting if r.arrival_ns >= deadline]
-    if policy == "sjf":
+    if policy == Policy.SJF:
         rest.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_ns))
-    elif policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+    elif policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE:
         rest.sort(key=lambda r: (-cached_prefix_tokens(r), r.arrival_ns))
-    elif policy == "priority":
+    elif policy == Policy.PRIORITY:
         rest.sort(key=lambda r: (r.priority, r.arrival_ns))
-    elif policy == "fair":
+    elif policy == Policy.FAIR:
         rest.sort(key=lambda r: (served.get(r.tenant, 0), r.arrival_ns))
     else:
         rest.sort(key=lambda r: r.arrival_ns)

@@ -8,31 +8,27 @@ prefill, decode and recompute after preemption are all "catch up to
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
-class RequestStatus(enum.IntEnum):
-    WAITING = 0  # queued, or preempted and queued again for recompute
-    PREFILLING = 1  # admitted; prompt (or recompute) only partly in the KV cache
-    DECODING = 2  # prompt done; one new token per iteration
-    FINISHED_STOPPED = 3  # sampled a stop token
-    FINISHED_LENGTH = 4  # reached max_tokens or the context limit
-    FINISHED_ABORTED = 5  # cancelled by the client or the gateway
-    FINISHED_ERROR = 6  # the runner failed on a batch holding this request
-
-    @property
-    def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+class RequestStatus(StrEnum):
+    WAITING = "waiting"  # queued, or preempted and queued again for recompute
+    PREFILLING = "prefilling"  # admitted; prompt (or recompute) only partly in the KV cache
+    DECODING = "decoding"  # prompt done; one new token per iteration
+    FINISHED = "finished"  # ended; ``Request.finish_reason`` says why
 
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
+class FinishReason(StrEnum):
+    """Why a request ended: the one vocabulary of engine, metrics, logs and
+    spans. The gateway maps it to each API's wire strings in one place."""
+
+    STOP = "stop"  # sampled a stop token (or the gateway matched a stop string)
+    LENGTH = "length"  # reached max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the gateway
+    ERROR = "error"  # an iteration holding it failed, or the engine stopped
+    SLOW_CONSUMER = "slow_consumer"  # the gateway cut it off: its client read too slowly
 
 
 @dataclass(slots=True)
@@ -85,9 +81,9 @@ class Timeline:
     finished_ns: int | None = None
     chunks: list[Chunk] = field(default_factory=list)
     token_ns: list[int] = field(default_factory=list)  # one per generated token
-    # per generated token after the first: did another request's prefill chunk
-    # run between it and the previous token (a "stall" gap)?
-    gap_with_prefill: list[bool] = field(default_factory=list)
+    # per inter-token gap: was it stalled, i.e. did another request's prefill
+    # chunk run between the two tokens?
+    stalled: list[bool] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +96,7 @@ class Request:
     tenant: str = ""  # who pays: the API key's id (the fair policy shares the engine between tenants)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None  # set when status becomes FINISHED
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
@@ -142,7 +139,3 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
-
-    @property
-    def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)

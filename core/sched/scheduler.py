@@ -26,9 +26,9 @@ from collections.abc import Callable
 from core import faults
 from core.sched.batch import Batch, Item
 from core.sched.block_manager import BlockManager
-from core.sched.config import SchedulerConfig
+from core.sched.config import Chunking, SchedulerConfig
 from core.sched.policy import order_waiting
-from core.sched.request import Chunk, Request, RequestStatus
+from core.sched.request import Chunk, FinishReason, Request, RequestStatus
 
 # (prefix length, token budget) -> largest chunk keeping the iteration level
 ChunkLimit = Callable[[int, int], int]
@@ -81,10 +81,10 @@ class Scheduler:
     def abort(self, request_id: str, now_ns: int) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:
-            self.finish(req, RequestStatus.FINISHED_ABORTED, now_ns)
+            self.finish(req, FinishReason.ABORT, now_ns)
         return req
 
-    def finish(self, req: Request, status: RequestStatus, now_ns: int) -> None:
+    def finish(self, req: Request, reason: FinishReason, now_ns: int) -> None:
         """End req: free its KV at once and drop it from the queues. Also
         sound after a failed iteration left req half-way between states."""
         if req in self.waiting:
@@ -92,7 +92,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.free(req)
-        req.status = status
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
         req.timeline.finished_ns = now_ns
         if self.requests.pop(req.request_id, None) is not None:
             self._active[req.tenant] -= 1
@@ -122,7 +123,7 @@ class Scheduler:
     def _schedule(self, batch: Batch, now_ns: int) -> Batch:
         mode = self.config.chunking
         budget = self.config.token_budget
-        if mode == "none":
+        if mode == Chunking.NONE:
             # frozen batch: whole prompts in an iteration of their own, with
             # vLLM V0's rule that the batch cap is at least the context length
             left = self._prefill_running(batch, max(budget, self.config.max_model_len), whole=True)
@@ -131,7 +132,7 @@ class Scheduler:
                 self._decode(batch, budget)
             return batch
         left = self._decode(batch, budget)
-        if mode == "stall_free":
+        if mode == Chunking.STALL_FREE:
             self._prefill(batch, left, now_ns)
         else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
             left = self._prefill_running(batch, left, whole=False)
@@ -319,11 +320,11 @@ class Scheduler:
         if tl.first_token_ns is None:
             tl.first_token_ns = now_ns
         else:
-            tl.gap_with_prefill.append(stalled)
+            tl.stalled.append(stalled)
         tl.token_ns.append(now_ns)
         req.status = RequestStatus.DECODING
         sp = req.sampling
         if token in sp.stop_token_ids or (token in self.eos_token_ids and not sp.ignore_eos):
-            self.finish(req, RequestStatus.FINISHED_STOPPED, now_ns)
+            self.finish(req, FinishReason.STOP, now_ns)
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            self.finish(req, RequestStatus.FINISHED_LENGTH, now_ns)
+            self.finish(req, FinishReason.LENGTH, now_ns)

@@ -1,8 +1,9 @@
 """The engine's dedicated thread.
 
 Other threads never touch the engine: they put commands on a thread-safe
-inbox, which the thread drains between iterations. Each iteration's outputs
-go to one callback call, never one call per token.
+inbox, which the thread drains between iterations, and read only
+``snapshot``, which the thread replaces after every iteration and command.
+Each iteration's outputs go to one callback call, never one call per token.
 
 The thread never dies silently: an engine that reports itself broken, or
 anything raised outside an iteration, fails every request (their outputs
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from core.sched.engine import Engine, StepOutput
+from core.sched.engine import Engine, EngineSnapshot, StepOutput, check_request
 from core.sched.request import Request
 
 log = structlog.get_logger(__name__)
@@ -42,6 +43,7 @@ class StepLoop:
         on_fatal: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.engine = engine
+        self.snapshot: EngineSnapshot = engine.snapshot()  # replaced whole, never changed: safe to read anywhere
         self.on_step = on_step
         self.on_fatal = on_fatal
         self.iterations = 0
@@ -79,9 +81,12 @@ class StepLoop:
                 self._pending.discard(future)
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except Exception as exc:  # reported to the caller, not raised here
                     future.set_exception(exc)
+                else:
+                    self.snapshot = self.engine.snapshot()  # before the caller hears back
+                    future.set_result(result)
 
         with self._lock:
             if self.fatal is not None:
@@ -93,7 +98,8 @@ class StepLoop:
 
     def submit(self, req: Request) -> Future[None]:
         """Queue req. What can never run is refused here, in the caller's thread."""
-        self.engine.check(req.num_prompt_tokens, req.sampling)
+        s = self.snapshot
+        check_request(req.num_prompt_tokens, req.sampling, s.config.max_model_len, s.vocab_size)
         return self.call(lambda: self.engine.add_request(req))
 
     def abort(self, request_id: str) -> Future[bool]:
@@ -133,6 +139,7 @@ class StepLoop:
             out = self.engine.step()
             self.busy_since_ns = 0
             if out is not None:
+                self.snapshot = self.engine.snapshot()
                 self.iterations += 1
                 self.last_step_ns = time.perf_counter_ns()
                 self._publish(out)

@@ -42,7 +42,7 @@ class RequestTimings:
     itl_p50_ms: float
     itl_p99_ms: float
     max_gap_ms: float
-    gaps_with_prefill: int  # gaps that overlapped another request's prefill chunk
+    stalled_gaps: int  # gaps during which another request's prefill chunk ran
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -65,5 +65,5 @@ def request_timings(timeline: Timeline) -> RequestTimings:
         itl_p50_ms=percentile(gaps, 50),
         itl_p99_ms=percentile(gaps, 99),
         max_gap_ms=max(gaps, default=0.0),
-        gaps_with_prefill=sum(timeline.gap_with_prefill),
+        stalled_gaps=sum(timeline.stalled),
     )
