@@ -87,7 +87,7 @@ def set_config(target: str, api_key: str | None, changes: dict[str, Any]) -> dic
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
     target = target_for(args)
-    runs = []
+    runs: list[dict[str, Any]] = []
     sweep: list[tuple[str, Any]] = [("", None)]
     if args.sweep:
         if not isinstance(target, StallfreeTarget):

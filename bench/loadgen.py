@@ -150,7 +150,8 @@ def trace_jobs(path: Path, make: PromptMaker) -> list[Job]:
     """A JSONL trace (the simulator's format): requests naming the same ``prefix``
     share their first ``prefix_tokens`` tokens of text, so prefix caching replays too."""
     load_trace(path)  # validates every line, errors name the line
-    jobs, prefixes = [], {}
+    jobs: list[Job] = []
+    prefixes: dict[str, str] = {}
     for line in path.read_text().splitlines():
         if not line.strip():
             continue

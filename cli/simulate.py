@@ -30,8 +30,9 @@ def run(args: argparse.Namespace) -> None:
     from core.analysis.simulator import format_report, load_trace, report, scenario, simulate
     from core.sched.config import CacheConfig
 
+    defaults: dict[str, Any] = {}
     if args.trace:
-        arrivals, defaults = load_trace(args.trace), {}
+        arrivals = load_trace(args.trace)
     else:
         arrivals, defaults = scenario(args.scenario)
     config = scheduler_config(args, defaults)

@@ -5,6 +5,10 @@ once-per-iteration fan-out puts one ``Delta`` per request per iteration;
 when the consumer has fallen behind and the stream is full, new tokens
 coalesce into a single pending delta instead of blocking anybody, and a
 consumer whose pending tokens stay unread for ``slow_consumer_s`` is cut off.
+
+Both ends of the memory stream are closed once the final delta is through
+(anyio warns about every unclosed end); a consumer that gives up early
+calls ``close()``.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class RequestStream:
     ) -> bool:
         """Called on the event loop; never blocks. False: the consumer is hopelessly behind."""
         if self.finished:
-            return True
+            return True  # includes a consumer that has gone (close())
         ok = self._enqueue(Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request))
         if self.on_put is not None:
             self.on_put()
@@ -54,20 +58,25 @@ class RequestStream:
     def _enqueue(self, delta: Delta) -> bool:
         self.num_tokens += len(delta.token_ids)
         self.finished = delta.finish_reason is not None
+        ok = True
         if self._pending is None:
             try:
                 self._send.send_nowait(delta)
-                return True
             except anyio.WouldBlock:
                 self._pending, self._pending_since = delta, time.perf_counter_ns()
-                return True
-        p = self._pending
-        p.token_ids = p.token_ids + delta.token_ids
-        p.emit_ns, p.finish_reason, p.request = delta.emit_ns, delta.finish_reason, delta.request
-        return self.finished or time.perf_counter_ns() - self._pending_since < self._slow_ns
+        else:
+            p = self._pending
+            p.token_ids = p.token_ids + delta.token_ids
+            p.emit_ns, p.finish_reason, p.request = delta.emit_ns, delta.finish_reason, delta.request
+            ok = self.finished or time.perf_counter_ns() - self._pending_since < self._slow_ns
+        if self.finished:
+            self._send.close()  # nothing follows the final delta
+        return ok
 
     def fail(self, reason: FinishReason) -> None:
         """End the stream now (unsent overflow dropped): the consumer sees reason next."""
+        if self.finished:
+            return
         self.finished = True
         delta: Delta | None = Delta([], self.num_tokens, time.perf_counter_ns(), reason)
         if self._pending is None:
@@ -78,16 +87,29 @@ class RequestStream:
                 pass
         if delta is not None:
             self._pending = delta
+        self._send.close()
         if self.on_put is not None:
             self.on_put()
 
     def get_nowait(self) -> Delta | None:
+        """The next delta, or None if there is none yet."""
         try:
-            return self._recv.receive_nowait()
-        except anyio.WouldBlock:
+            delta = self._recv.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):  # EndOfStream: the final delta may be pending
             delta, self._pending = self._pending, None
-            return delta
+        return self._taken(delta) if delta is not None else None
 
     async def get(self) -> Delta:
         delta = self.get_nowait()
-        return delta if delta is not None else await self._recv.receive()
+        return delta if delta is not None else self._taken(await self._recv.receive())
+
+    def _taken(self, delta: Delta) -> Delta:
+        if delta.finish_reason is not None:
+            self.close()
+        return delta
+
+    def close(self) -> None:
+        """The consumer has its final delta or has gone: release both ends; later puts are ignored."""
+        self.finished = True
+        self._send.close()
+        self._recv.close()

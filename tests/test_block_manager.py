@@ -1,5 +1,7 @@
 """Paged KV blocks: prefix hits, sharing, eviction order, reservations, conservation."""
 
+import pytest
+
 from core.sched.block_manager import BlockManager
 from tests.simkit import request
 
@@ -110,3 +112,21 @@ def test_allocate_failure_changes_nothing():
     before = (list(r.block_ids), bm.num_free_blocks)
     assert not bm.allocate(r, 8)
     assert (r.block_ids, bm.num_free_blocks) == before
+
+
+def test_check_invariants_passes_on_real_use_and_names_corruption():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = admitted(bm, request("a", 10), reserve=16)
+    b = admitted(bm, request("b", 9), reserve=12)
+    compute_all(bm, a)
+    compute_all(bm, b)
+    bm.check_invariants([a, b])
+    with pytest.raises(RuntimeError, match="ref_count"):
+        bm.check_invariants([a])  # b's blocks are counted but no table holds them
+    a.block_ids.append(a.block_ids[-1])  # one block twice in a table: its ref_count is one short
+    with pytest.raises(RuntimeError, match="block tables"):
+        bm.check_invariants([a, b])
+    a.block_ids.pop()
+    a.footprint_blocks += 1  # a reservation the pool never made
+    with pytest.raises(RuntimeError, match="reserve"):
+        bm.check_invariants([a, b])

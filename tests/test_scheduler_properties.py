@@ -151,6 +151,7 @@ def invariants(e, schedule):
         for item in batch.items:
             assert len(item.request.block_ids) * bs >= item.start + item.num_tokens
         assert e.kv.num_free_blocks + e.kv.num_used_blocks == e.kv.num_blocks
+        e.kv.check_invariants(cfg_holder.requests.values())  # ref counts, free lists, hashes, reserve
         return batch
 
     return checked

@@ -153,7 +153,10 @@ def fit(spec: ModelSpec, points: list[Point], small_batch_rows: int = 0) -> Cost
         v = refine(min(grid, key=lambda v: loss(with_small(v), small)), lambda v: loss(with_small(v), small))
 
         def joint(v: tuple[float, ...]) -> CostModel:  # all six together, on every point
-            hw = HardwareSpec("fitted", *v[:4], overlap, small_batch_rows, *v[4:])
+            flops, mem_bw, overhead_s, attention_flops, small_flops, small_bw = v
+            hw = HardwareSpec(
+                "fitted", flops, mem_bw, overhead_s, attention_flops, overlap, small_batch_rows, small_flops, small_bw
+            )
             return CostModel(spec, hw, attention=True, kv_reads=True)
 
         start = (*fits[overlap], *v)

@@ -164,7 +164,7 @@ def simulate(arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: Cac
 
 def report(result: SimResult) -> dict[str, Any]:
     """Per request timings, summary percentiles over every gap, and the iterations."""
-    reqs = {}
+    reqs: dict[str, dict[str, Any]] = {}
     all_gaps: list[float] = []
     ttfts = []
     for rid, req in result.requests.items():

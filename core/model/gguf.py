@@ -92,7 +92,7 @@ class GGUFFile:
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as exc:
             raise GGUFError(f"{self.path}: cannot read ({exc})") from None
-        r = _Reader(memoryview(self._data), self.path)
+        r = _Reader(self._data.data, self.path)
         if bytes(self._data[:4]) != MAGIC:
             raise GGUFError(f"{self.path}: not a GGUF file (bad magic)")
         r.pos = 4

@@ -70,7 +70,7 @@ class LlamaModel:
             blocks = [quantized.get(n) for n in names]
             kinds = {b.kind for b in blocks if b is not None}
             same = None not in blocks and len(kinds) == 1
-            stacked = kernels.Quantized(kinds.pop(), torch.cat([b.blocks for b in blocks])) if same else None
+            stacked = kernels.Quantized(kinds.pop(), torch.cat([b.blocks for b in blocks if b])) if same else None
             return kernels.Linear(weight, bias, stacked)
 
         self.embed = w("model.embed_tokens.weight")
@@ -131,5 +131,6 @@ class LlamaModel:
             h = kernels.linear(layer.o, attn.view(t, q_size))
             x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
             h = kernels.linear(layer.down, kernels.silu_mul(kernels.linear(layer.gate_up, x)))
+        assert residual is not None  # set by the first layer
         last = (residual + h.float())[logits_rows]
         return kernels.linear(self.lm_head, kernels.rms_norm(last, self.final_norm, eps)).float()

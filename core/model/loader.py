@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unsupported architecture {arch!r} (llama, qwen2)")
 
-    def key(name: str, default: object = None) -> object:
+    def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
             raise ValueError(f"missing metadata {arch}.{name}")

@@ -1,4 +1,5 @@
-"""What one iteration runs (Batch) and what it did (IterationRecord)."""
+"""What one iteration runs (Batch), the tokens it produced (NewToken) and
+what it did (IterationRecord)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,23 @@ from dataclasses import dataclass, field
 from core.sched.request import Request
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Item:
-    """One request's share of an iteration: tokens [start, start + num_tokens)."""
+    """One request's share of an iteration: tokens [start, start + num_tokens).
 
-    request: Request
+    Fixed when scheduled: ``samples`` (the item ends at the request's last
+    token, so it yields a new one) does not change when the request later
+    grows.
+    """
+
+    request: Request  # the runner reads its tokens and block table
     start: int  # tokens already in the KV cache (the chunk's prefix length)
     num_tokens: int
     is_prefill: bool
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Does this item end at the request's last token, so it yields a new one?"""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.num_tokens == self.request.num_tokens)
 
 
 @dataclass(slots=True)
@@ -41,6 +46,15 @@ class Batch:
     @property
     def prefill_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items if item.is_prefill)
+
+
+@dataclass(slots=True, frozen=True)
+class NewToken:
+    """A token an iteration produced for a request (``Scheduler.update``)."""
+
+    request: Request
+    token: int
+    stalled: bool  # the gap before it was stalled: another request's prefill ran in it
 
 
 @dataclass(slots=True)

@@ -10,6 +10,20 @@ are handed out before any cached block is evicted.
 Admission reserves a request's *final* footprint (its tokens plus a decode
 reserve), so a prompt admitted now can finish its prefill without anybody
 being preempted; decode growth beyond the reserve uses unreserved blocks.
+
+One request's blocks, and what the pool's counts mean::
+
+    req.block_ids   [h0][h1][h2][b3][b4][b5]
+                    |prefix hit|  computed | + this iteration's tokens
+                    |<-- allocated: len(block_ids) -->|<-- reserve left -->|
+                    |<-- req.footprint_blocks: prompt + decode reserve --->|
+
+    num_blocks      = used + free;  free = plain (no hash) + cached (hash, LRU)
+    unreserved free = free - every request's reserve left
+                      (what admission, and growth past a footprint, may take)
+
+A hit block (h0..h2) may be shared by several tables (``ref_count``); a free
+block that still has a hash stays findable until it is handed out again.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from core import faults
@@ -50,7 +65,7 @@ class BlockManager:
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._by_hash: dict[bytes, int] = {}
-        self._outstanding = 0  # reserved blocks not yet allocated, all requests
+        self._unallocated_reserve = 0  # every request's unallocated reserve, summed
         self.prefix_hit_tokens = 0
 
     # -- counters ---------------------------------------------------------
@@ -73,7 +88,8 @@ class BlockManager:
 
     @property
     def num_reserved_blocks(self) -> int:
-        return self._outstanding
+        """Blocks admitted requests reserved and have not allocated yet."""
+        return self._unallocated_reserve
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -125,8 +141,10 @@ class BlockManager:
                 self._by_hash[h] = block.block_id
 
     # -- allocation -------------------------------------------------------
-    def _outstanding_of(self, req: Request) -> int:
-        return max(0, req.reserved_blocks - len(req.block_ids))
+    @staticmethod
+    def _reserve_left(req: Request) -> int:
+        """Blocks of req's footprint it has not allocated yet (0 once it grew past it)."""
+        return max(0, req.footprint_blocks - len(req.block_ids))
 
     def admit(self, req: Request, reserve_tokens: int) -> bool:
         """Take prefix hits and reserve req's final footprint, or change nothing.
@@ -135,16 +153,16 @@ class BlockManager:
         On success req.num_computed_tokens covers the hit blocks.
         """
         hits = self._matched_blocks(req)
-        reserved = max(self.blocks_for(reserve_tokens), len(hits))
-        hits_now_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        available = self.num_free_blocks - hits_now_free - self._outstanding
-        if reserved - len(hits) > available:
+        footprint = max(self.blocks_for(reserve_tokens), len(hits))
+        hits_now_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # taking them uses free blocks
+        unreserved_free = self.num_free_blocks - hits_now_free - self._unallocated_reserve
+        if footprint - len(hits) > unreserved_free:
             return False
         for block_id in hits:
             self._take(block_id)
         req.block_ids = hits
-        req.reserved_blocks = reserved
-        self._outstanding += self._outstanding_of(req)
+        req.footprint_blocks = footprint
+        self._unallocated_reserve += self._reserve_left(req)
         req.num_computed_tokens = len(hits) * self.block_size
         self.prefix_hit_tokens += req.num_computed_tokens
         return True
@@ -156,21 +174,22 @@ class BlockManager:
         has reserved.
         """
         faults.point("allocate")
-        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
-        if need <= 0:
+        new_blocks = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if new_blocks <= 0:
             return True
-        own = self._outstanding_of(req)
-        if need > self.num_free_blocks - (self._outstanding - own):
+        own_reserve = self._reserve_left(req)
+        others_reserve = self._unallocated_reserve - own_reserve
+        if new_blocks > self.num_free_blocks - others_reserve:
             return False
-        for _ in range(need):
+        for _ in range(new_blocks):
             req.block_ids.append(self._pop_free())
-        self._outstanding -= own - self._outstanding_of(req)
+        self._unallocated_reserve -= own_reserve - self._reserve_left(req)
         return True
 
     def free(self, req: Request) -> None:
         """Release req's blocks and reservation. Tail blocks go first in LRU order,
         since a prefix's tail is the part least likely to be shared."""
-        self._outstanding -= self._outstanding_of(req)
+        self._unallocated_reserve -= self._reserve_left(req)
         for block_id in reversed(req.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -180,7 +199,7 @@ class BlockManager:
                 else:
                     self._free_cached[block_id] = None
         req.block_ids = []
-        req.reserved_blocks = 0
+        req.footprint_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -194,7 +213,44 @@ class BlockManager:
         else:
             block_id, _ = self._free_cached.popitem(last=False)
             block = self.blocks[block_id]
-            del self._by_hash[block.hash]
-            block.hash = None
+            if block.hash is not None:  # always, for a cached block
+                del self._by_hash[block.hash]
+                block.hash = None
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    # -- checks -------------------------------------------------------------
+    def check_invariants(self, requests: Iterable[Request]) -> None:
+        """Raise RuntimeError if the pool disagrees with the live requests'
+        block tables (the property tests call it every iteration)."""
+        refs = [0] * self.num_blocks
+        reserve = 0
+        for req in requests:
+            for block_id in req.block_ids:
+                refs[block_id] += 1
+            reserve += self._reserve_left(req)
+        free_plain, free_cached = list(self._free_plain), list(self._free_cached)
+        problems = []
+        if len(set(free_plain + free_cached)) != len(free_plain) + len(free_cached):
+            problems.append("a block is on the free lists twice")
+        free = set(free_plain) | set(free_cached)
+        for block in self.blocks:
+            i = block.block_id
+            if block.ref_count != refs[i]:
+                problems.append(f"block {i}: ref_count {block.ref_count}, in {refs[i]} block tables")
+            if (block.ref_count == 0) != (i in free):
+                problems.append(f"block {i}: ref_count {block.ref_count} but on a free list: {i in free}")
+            if block.hash is not None and self._by_hash.get(block.hash) != i:
+                problems.append(f"block {i}: its hash is not indexed")
+        if any(self.blocks[b].hash is not None for b in free_plain):
+            problems.append("a plain free block has a hash")
+        if any(self.blocks[b].hash is None for b in free_cached):
+            problems.append("a cached free block has no hash")
+        if len(self._by_hash) != sum(b.hash is not None for b in self.blocks):
+            problems.append("the hash index holds blocks that lost their hash")
+        if reserve != self._unallocated_reserve:
+            problems.append(f"unallocated reserve {self._unallocated_reserve}, requests hold {reserve}")
+        if self._unallocated_reserve > self.num_free_blocks:
+            problems.append(f"reserve {self._unallocated_reserve} exceeds the {self.num_free_blocks} free blocks")
+        if problems:
+            raise RuntimeError("KV block invariants broken: " + "; ".join(problems[:5]))

@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from core.sched.batch import Batch, IterationRecord
+from core.sched.batch import Batch, IterationRecord, NewToken
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.request import FinishReason, Request, SamplingParams
@@ -205,11 +205,14 @@ class Engine:
         """Report what ended outside an iteration (after ``fail_all``), without iterating."""
         return self._collect(None, [])
 
-    def _collect(self, record: IterationRecord | None, emitted: list[tuple[Request, int, bool]]) -> StepOutput | None:
+    def _collect(self, record: IterationRecord | None, emitted: list[NewToken]) -> StepOutput | None:
         outputs = []
-        for req, token, stalled in emitted:
+        for new in emitted:
+            req = new.request
             done = req.finish_reason is not None
-            outputs.append(RequestOutput(req.request_id, [token], req.finish_reason, req if done else None, stalled))
+            outputs.append(
+                RequestOutput(req.request_id, [new.token], req.finish_reason, req if done else None, new.stalled)
+            )
         outputs += [RequestOutput(r.request_id, [], r.finish_reason, r) for r in self._unreported]
         self._unreported = []
         if record is None and not outputs:

@@ -103,7 +103,7 @@ class Request:
     # KV state, owned by the BlockManager
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    reserved_blocks: int = 0
+    footprint_blocks: int = 0  # blocks reserved at admission: prompt + decode reserve
     last_token_iteration: int = 0  # iteration that produced the latest token
     timeline: Timeline = field(init=False)
 

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from core import faults
-from core.sched.batch import Batch, Item
+from core.sched.batch import Batch, Item, NewToken
 from core.sched.block_manager import BlockManager
 from core.sched.config import Chunking, SchedulerConfig
 from core.sched.policy import order_waiting
@@ -169,10 +169,10 @@ class Scheduler:
         self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
 
     def _decode(self, batch: Batch, left: int) -> int:
-        """Pass 1: one step for every running decode (counting any extra
-        verification tokens), highest priority first; a decode that needs a
-        KV block when none is free preempts the lowest-priority (then newest)
-        decode. Served in that order, a victim is never one already served."""
+        """Pass 1: one token for every running decode, highest priority first;
+        a decode that needs a KV block when none is free preempts the
+        lowest-priority (then newest) decode. Served in that order, a victim
+        is never one already served."""
         order = {id(r): i for i, r in enumerate(self.running)}
 
         def rank(r: Request) -> tuple[int, int]:
@@ -181,17 +181,16 @@ class Scheduler:
         for req in sorted((r for r in self.running if r.status == RequestStatus.DECODING), key=rank):
             if req.status != RequestStatus.DECODING:
                 continue  # preempted earlier in this loop
-            n = req.num_pending_tokens
-            if n > left:
+            if left == 0:
                 break
-            while not self.kv.allocate(req, n):
+            while not self.kv.allocate(req, 1):
                 victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
                 self._preempt(victim, batch)
                 if victim is req:
                     break
             else:
-                batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=False))
-                left -= n
+                batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
+                left -= 1
         return left
 
     def _prefill_running(self, batch: Batch, left: int, whole: bool, which: Callable[[Request], bool] = bool) -> int:
@@ -270,10 +269,9 @@ class Scheduler:
         batch.preempted.append(req)
 
     # -- update ------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[int], start_ns: int, end_ns: int) -> list[tuple[Request, int, bool]]:
+    def update(self, batch: Batch, sampled: list[int], start_ns: int, end_ns: int) -> list[NewToken]:
         """Advance every request in batch; sampled holds one token per item that
-        samples, in item order. Returns (request, token, stalled) for each token
-        emitted; stalled: another request's prefill ran since its previous token."""
+        samples, in item order. Returns the tokens in that order."""
         faults.point("update")
         emitted = []
         tokens = iter(sampled)
@@ -282,7 +280,6 @@ class Scheduler:
             self._prefill_log.append((batch.iteration, chunked))
         for item in batch.items:
             req = item.request
-            samples = item.samples
             req.num_computed_tokens += item.num_tokens
             self.served[req.tenant] = self.served.get(req.tenant, 0) + item.num_tokens
             tl = req.timeline
@@ -291,11 +288,11 @@ class Scheduler:
             if item.is_prefill:
                 tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
             self.kv.cache_computed(req)
-            if samples:
+            if item.samples:
                 token = next(tokens)
                 stalled = self._overlapped_prefill(req, batch.iteration)
                 self._append_token(req, token, end_ns, stalled)
-                emitted.append((req, token, stalled))
+                emitted.append(NewToken(req, token, stalled))
         return emitted
 
     def _overlapped_prefill(self, req: Request, iteration: int) -> bool:

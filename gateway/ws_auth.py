@@ -1,0 +1,57 @@
+"""Opening a WebSocket (``/v1/stream`` and ``/ws/telemetry`` alike): Origin
+check, then the API key, from the headers or, since browsers cannot set
+headers on a WebSocket, from a first ``auth`` frame within ``auth_timeout_s``
+(a socket without a key does not stay open for free)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+import orjson
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from gateway.auth import origin_allowed, request_key, tenant_of
+from gateway.engine_client import EngineClient
+
+
+async def accept(ws: WebSocket, client: EngineClient) -> str | None:
+    """The caller's tenant ("" without keys) once the socket is open and
+    authenticated; None once it has been refused and closed."""
+    s = client.settings
+    if not origin_allowed(ws.headers.get("origin"), s.allowed_origins, s.host_names):
+        await ws.close(code=1008)
+        return None
+    await ws.accept()
+    if not s.api_keys:
+        return ""
+    if (tenant := tenant_of(request_key(ws.headers), s.api_keys)) is not None:
+        return tenant
+    message: dict[str, Any] | None = None
+    with anyio.move_on_after(s.auth_timeout_s):
+        message = await ws.receive()
+    if message is not None and message["type"] == "websocket.disconnect":
+        return None
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):  # the client may be gone
+        if message is None:
+            why = f"no API key within {s.auth_timeout_s:g} s"
+        elif (tenant := tenant_of(_auth_key(message), s.api_keys)) is not None:
+            await ws.send_text('{"type":"authenticated"}')
+            return tenant
+        else:
+            why = "send {'type': 'auth', 'api_key': ...} first"
+        client.metrics.errors.labels("unauthorized").inc()
+        error = {"type": "error", "id": None, "code": "unauthorized", "message": why}
+        await ws.send_text(orjson.dumps(error).decode())
+        await ws.close(code=1008)
+    return None
+
+
+def _auth_key(message: dict[str, Any]) -> object:
+    """The ``api_key`` of an ``{"type": "auth", ...}`` text frame, else None."""
+    try:
+        frame = orjson.loads(message.get("text") or b"")
+    except orjson.JSONDecodeError:
+        return None
+    return frame.get("api_key") if isinstance(frame, dict) and frame.get("type") == "auth" else None
