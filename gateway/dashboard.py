@@ -7,7 +7,6 @@ that cannot keep up simply misses frames.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import anyio
@@ -15,9 +14,9 @@ import orjson
 from anyio.streams.memory import MemoryObjectSendStream
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.auth import key_matches, origin_allowed, request_key
 from gateway.engine_client import EngineClient
 from gateway.telemetry import FRAMES_PER_S
+from gateway.ws_auth import accept
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
@@ -47,31 +46,8 @@ class TelemetryHub:
 async def telemetry_endpoint(ws: WebSocket) -> None:
     client: EngineClient = ws.app.state.client
     hub: TelemetryHub = ws.app.state.telemetry_hub
-    keys = client.settings.api_keys
-    if not origin_allowed(ws.headers.get("origin"), client.settings.allowed_origins, client.settings.host_names):
-        await ws.close(code=1008)
+    if await accept(ws, client) is None:
         return
-    await ws.accept()
-    if keys and not key_matches(request_key(ws.headers), keys):
-        frame = {}
-        with anyio.move_on_after(client.settings.auth_timeout_s):
-            with contextlib.suppress(orjson.JSONDecodeError, WebSocketDisconnect, KeyError):
-                frame = orjson.loads(await ws.receive_text())
-        if not (isinstance(frame, dict) and frame.get("type") == "auth" and key_matches(frame.get("api_key"), keys)):
-            client.metrics.errors.labels("unauthorized").inc()
-            await ws.send_text(
-                orjson.dumps(
-                    {
-                        "type": "error",
-                        "id": None,
-                        "code": "unauthorized",
-                        "message": "send {'type': 'auth', 'api_key': ...} first",
-                    }
-                ).decode()
-            )
-            await ws.close(code=1008)
-            return
-        await ws.send_text('{"type":"authenticated"}')
     send, receive = anyio.create_memory_object_stream[str](2)
     hub.subscribers.add(send)
     try:
@@ -90,3 +66,4 @@ async def telemetry_endpoint(ws: WebSocket) -> None:
     finally:
         hub.subscribers.discard(send)
         send.close()
+        receive.close()

@@ -3,7 +3,8 @@
 ``submit`` tokenizes off the event loop, queues the request on the step
 thread's inbox and returns its ``RequestStream``. The step thread's output
 callback makes exactly one ``call_soon_threadsafe`` per iteration; on the
-loop, ``_fan_out`` spreads that iteration's tokens over the streams.
+loop, ``_fan_out`` spreads that iteration's tokens over the streams and
+tells the observers (metrics, telemetry, traces, request log) what happened.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from core.model.tokenizer import Tokenizer
 from core.sched.engine import Engine, EngineSnapshot, RequestOutput, RequestRejected, StepOutput
 from core.sched.request import FinishReason, Request
 from core.sched.step_loop import StepLoop
-from core.sched.timings import request_timings
 from gateway.metrics import Metrics
+from gateway.observers import Observer, RequestLog
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
@@ -43,13 +44,14 @@ class EngineClient:
         tracing: Tracing | None = None,
         log_text: bool = False,
     ) -> None:
-        self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
         self.metrics = Metrics()
         self.telemetry = Telemetry()
         self.tracing = tracing
-        self.log_text = log_text  # prompt and completion text in request logs: off unless asked
+        self.observers: list[Observer] = [self.metrics, self.telemetry, RequestLog(tokenizer, log_text)]
+        if tracing is not None:
+            self.observers.append(tracing)
         self.step_loop = StepLoop(engine, self._on_step, self._on_fatal)
         self.accepting = False
         self.fatal: str | None = None  # why the engine stopped for good, once it has
@@ -154,20 +156,8 @@ class EngineClient:
         self._streams[request_id] = stream
         self._unstarted.add(request_id)
         self._last_submit_ns = time.perf_counter_ns()
-        if self.tracing is not None:
-            s = sampling
-            attributes = {
-                "gen_ai.request.max_tokens": s.max_tokens,
-                "gen_ai.request.temperature": s.temperature,
-                "gen_ai.request.top_p": s.top_p,
-                "gen_ai.request.top_k": s.top_k,
-            }
-            if s.seed is not None:
-                attributes["gen_ai.request.seed"] = s.seed
-            operation = "chat" if req.messages is not None else "text_completion"
-            self.tracing.start_request(
-                request_id, arrival_ns, operation, self.settings.model_name, attributes, req.traceparent
-            )
+        operation = "chat" if req.messages is not None else "text_completion"
+        self._observe(lambda obs: obs.on_submit(request, operation, self.settings.model_name, req.traceparent))
         future.add_done_callback(lambda f: self._submit_failed(request_id, f.exception()) if f.exception() else None)
         return stream, len(ids)
 
@@ -219,18 +209,21 @@ class EngineClient:
         """Step thread: one thread-safe call per iteration."""
         self._call_soon(self._fan_out, out)
 
+    def _observe(self, event: Callable[[Observer], None]) -> None:
+        """Tell every observer; one that fails is logged and skipped: observers
+        must never cost anybody their tokens."""
+        for observer in self.observers:
+            try:
+                event(observer)
+            except Exception:
+                log.exception("observer_failed", observer=type(observer).__name__)
+
     def _fan_out(self, out: StepOutput) -> None:
         it = out.iteration
         emit_ns = it.end_ns if it is not None else time.perf_counter_ns()
-        try:
-            self.metrics.observe_counts(out.counts)
-            if it is not None:
-                self.metrics.observe_iteration(it)
-                self.telemetry.on_iteration(it)
-                if self.tracing is not None:
-                    self.tracing.iteration(it)
-        except Exception:  # observers must never cost anybody their tokens
-            log.exception("iteration_observers_failed")
+        self._observe(lambda obs: obs.on_counts(out.counts))
+        if it is not None:
+            self._observe(lambda obs: obs.on_iteration(it))
         for o in out.outputs:
             try:
                 self._deliver(o, emit_ns)
@@ -248,9 +241,8 @@ class EngineClient:
         self._unstarted.discard(o.request_id)
         if o.new_token_ids:
             gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
-            self.metrics.observe_tokens(len(o.new_token_ids), gap_ns / 1e9 if gap_ns is not None else None)
-            if gap_ns is not None:
-                self.telemetry.on_gap(o.request_id, emit_ns, gap_ns, o.stalled)
+            n = len(o.new_token_ids)
+            self._observe(lambda obs: obs.on_tokens(o.request_id, n, emit_ns, gap_ns, o.stalled))
             stream.last_emit_ns = emit_ns
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
             log.warning("slow_consumer", request_id=o.request_id)
@@ -260,27 +252,10 @@ class EngineClient:
             del self._streams[o.request_id]
 
     def _finished(self, req: Request, finish_reason: FinishReason) -> None:
-        """Metrics, the request's spans and its log line, from the engine's timestamps."""
-        self.metrics.observe_finish(req, finish_reason)
+        """The rate limit's charge for what was generated (admission), then the observers."""
         if self.rate_limit is not None:
             self.rate_limit.charge(req.tenant, req.num_output_tokens)
-        self.telemetry.on_finish(req)
-        if self.tracing is not None:
-            self.tracing.finish_request(req, finish_reason)
-        fields: dict[str, Any] = {
-            "request_id": req.request_id,
-            "tenant": req.tenant,
-            "finish_reason": finish_reason,
-            "prompt_tokens": req.num_prompt_tokens,
-            "completion_tokens": req.num_output_tokens,
-            "cached_tokens": req.num_cached_tokens,
-            "preemptions": req.num_preemptions,
-            **request_timings(req.timeline).as_dict(),
-        }
-        if self.log_text:
-            fields["prompt"] = self.tokenizer.decode(req.prompt_token_ids)
-            fields["completion"] = self.tokenizer.decode(req.output_token_ids)
-        log.info("request_finished", **fields)
+        self._observe(lambda obs: obs.on_finish(req, finish_reason))
 
     def _fail(self, request_id: str, reason: FinishReason) -> None:
         stream = self._streams.pop(request_id, None)

@@ -7,7 +7,7 @@ generation the same way: a stop string cancels the engine request at once
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from core.model.detokenizer import Detokenizer
@@ -61,11 +61,15 @@ class PieceMaker:
         return None
 
 
-async def text_pieces(stream: RequestStream, maker: PieceMaker) -> AsyncIterator[Piece]:
-    """Pieces until the request ends (one consumer per request: the HTTP API)."""
-    while True:
-        piece = maker.feed(await stream.get())
-        if piece is not None:
-            yield piece
-            if piece.finish_reason is not None:
-                return
+async def text_pieces(stream: RequestStream, maker: PieceMaker) -> AsyncGenerator[Piece, None]:
+    """Pieces until the request ends (one consumer per request: the HTTP API).
+    However it stops (end, error, cancellation, ``aclose()``), the stream is closed."""
+    try:
+        while True:
+            piece = maker.feed(await stream.get())
+            if piece is not None:
+                yield piece
+                if piece.finish_reason is not None:
+                    return
+    finally:
+        stream.close()

@@ -14,6 +14,7 @@ from core.sched.config import CHUNKING_MODES
 from core.sched.engine import Counts
 from core.sched.request import FinishReason, Request
 from core.sched.timings import gaps_ns
+from gateway.observers import Observer
 
 LATENCY_BUCKETS = (
     0.001,
@@ -42,7 +43,7 @@ LATENCY_BUCKETS = (
 )
 
 
-class Metrics:
+class Metrics(Observer):
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
 
@@ -76,15 +77,14 @@ class Metrics:
             "stallfree_slow_consumer_cutoffs", "Streams cut off because their reader fell behind", registry=r
         )
 
-    def observe_iteration(self, it: IterationRecord) -> None:
+    def on_iteration(self, it: IterationRecord) -> None:
         self.iteration.observe(it.duration_ns / 1e9)
         self.token_budget.set(it.token_budget)
         self.chunking.state(it.chunking)
         if it.preemptions:
             self.preemptions.inc(it.preemptions)
 
-    def observe_counts(self, c: Counts) -> None:
-        """After every engine step, including the ones that only report aborts."""
+    def on_counts(self, c: Counts) -> None:
         self.running.set(c.running)
         self.waiting.set(c.waiting)
         self.partial.set(c.partial_prefills)
@@ -92,15 +92,15 @@ class Metrics:
         self.kv_blocks.labels("free").set(c.kv_free_blocks)
         self.kv_blocks.labels("cached").set(c.kv_cached_blocks)
 
-    def observe_tokens(self, count: int, gap_s: float | None) -> None:
-        """Tokens one request got in one iteration; gap_s since its previous ones."""
+    def on_tokens(self, request_id: str, count: int, emit_ns: int, gap_ns: int | None, stalled: bool) -> None:
         self.generation_tokens.inc(count)
-        if gap_s is not None:
+        if gap_ns is not None:
+            gap_s = gap_ns / 1e9
             for _ in range(count):  # tokens of one iteration arrive together; the first carries the gap
                 self.itl.observe(gap_s)
                 gap_s = 0.0
 
-    def observe_finish(self, req: Request, finish_reason: FinishReason) -> None:
+    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         tl = req.timeline
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(req.num_prompt_tokens)

@@ -9,7 +9,7 @@ OpenAI's fields: ``top_k``, ``ignore_eos``, ``priority``.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -173,7 +173,7 @@ def _finish(piece: Piece) -> str:
 
 
 async def _sse(
-    client: EngineClient, request_id: str, pieces: AsyncIterator[Piece], shape: _Shape, usage: bool
+    client: EngineClient, request_id: str, pieces: AsyncGenerator[Piece, None], shape: _Shape, usage: bool
 ) -> AsyncIterator[bytes]:
     """SSE events; if the client goes away Starlette cancels this and the finally aborts."""
     finished = False
@@ -198,6 +198,7 @@ async def _sse(
     finally:
         if not finished:
             client.cancel(request_id)
+        await pieces.aclose()  # a client gone mid-stream leaves pieces suspended: release its stream
 
 
 async def _collect(
@@ -227,7 +228,7 @@ async def _collect(
     if not result:  # the client went away
         return Response(status_code=499)
     if "error" in result:
-        exc = result["error"]
-        client.metrics.errors.labels(exc.code).inc()
-        return error_response(exc.code, exc.message)
+        error: ProtocolError = result["error"]
+        client.metrics.errors.labels(error.code).inc()
+        return error_response(error.code, error.message)
     return JSONResponse(result)

@@ -78,21 +78,21 @@ class RequestStream:
         if self.finished:
             return
         self.finished = True
-        delta: Delta | None = Delta([], self.num_tokens, time.perf_counter_ns(), reason)
-        if self._pending is None:
+        delta = Delta([], self.num_tokens, time.perf_counter_ns(), reason)
+        if self._pending is not None:
+            self._pending = delta
+        else:
             try:
                 self._send.send_nowait(delta)
-                delta = None
             except anyio.WouldBlock:
-                pass
-        if delta is not None:
-            self._pending = delta
+                self._pending = delta
         self._send.close()
         if self.on_put is not None:
             self.on_put()
 
     def get_nowait(self) -> Delta | None:
         """The next delta, or None if there is none yet."""
+        delta: Delta | None
         try:
             delta = self._recv.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):  # EndOfStream: the final delta may be pending

@@ -14,8 +14,9 @@ from collections import deque
 from typing import Any
 
 from core.sched.batch import IterationRecord
-from core.sched.request import Request
+from core.sched.request import FinishReason, Request
 from core.sched.timings import percentile
+from gateway.observers import Observer
 
 FRAMES_PER_S = 10
 MAX_SERIES = 12
@@ -23,7 +24,7 @@ WINDOW_S = 10.0
 MAX_PENDING = 2000  # per kind, between two frames
 
 
-class Telemetry:
+class Telemetry(Observer):
     def __init__(self) -> None:
         self._t0 = time.perf_counter_ns()
         self._gaps: list[list[float]] = []  # [series slot, t ms, gap ms, stalled]
@@ -49,8 +50,10 @@ class Telemetry:
                 ]
             )
 
-    def on_gap(self, request_id: str, emit_ns: int, gap_ns: int, stalled: bool) -> None:
-        """One inter-token gap; stalled: the iteration also ran another request's prefill chunk."""
+    def on_tokens(self, request_id: str, count: int, emit_ns: int, gap_ns: int | None, stalled: bool) -> None:
+        """The gap before these tokens; stalled: the iteration also ran another request's prefill chunk."""
+        if gap_ns is None:
+            return
         gap_ms = gap_ns / 1e6
         self._window.append((emit_ns, gap_ms))
         slot = self._slots.get(request_id)
@@ -60,7 +63,7 @@ class Telemetry:
         if slot is not None and len(self._gaps) < MAX_PENDING:
             self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stalled)])
 
-    def on_finish(self, req: Request) -> None:
+    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         self._slots.pop(req.request_id, None)
         tl = req.timeline
         if tl.first_token_ns is None or len(self._ttfts) >= MAX_PENDING:

@@ -29,6 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from core.sched.batch import IterationRecord
 from core.sched.request import FinishReason, Request
 from core.sched.timings import request_timings
+from gateway.observers import Observer
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +53,7 @@ def exporter_from_env() -> SpanExporter | None:
     return HttpExporter()
 
 
-class Tracing:
+class Tracing(Observer):
     def __init__(self, exporter: SpanExporter, iteration_sample: float = 0.0) -> None:
         service = os.environ.get("OTEL_SERVICE_NAME", "stallfree")
         self.provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
@@ -70,32 +71,31 @@ class Tracing:
     def _wall(self, perf_ns: int) -> int:
         return perf_ns + self._wall_offset
 
-    def start_request(
-        self,
-        request_id: str,
-        arrival_ns: int,
-        operation: str,
-        model: str,
-        attributes: dict[str, Any],
-        traceparent: str | None,
-    ) -> None:
+    def on_submit(self, req: Request, operation: str, model: str, traceparent: str | None) -> None:
         """Open the root span at arrival; its parent comes from a W3C traceparent."""
         parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent}) if traceparent else Context()
+        s = req.sampling
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": model,
+            "stallfree.request.id": req.request_id,
+            "gen_ai.request.max_tokens": s.max_tokens,
+            "gen_ai.request.temperature": s.temperature,
+            "gen_ai.request.top_p": s.top_p,
+            "gen_ai.request.top_k": s.top_k,
+        }
+        if s.seed is not None:
+            attributes["gen_ai.request.seed"] = s.seed
         span = self.tracer.start_span(
             f"{operation} {model}",
             context=parent,
             kind=SpanKind.SERVER,
-            start_time=self._wall(arrival_ns),
-            attributes={
-                "gen_ai.operation.name": operation,
-                "gen_ai.request.model": model,
-                "stallfree.request.id": request_id,
-                **attributes,
-            },
+            start_time=self._wall(req.arrival_ns),
+            attributes=attributes,
         )
-        self._roots[request_id] = span
+        self._roots[req.request_id] = span
 
-    def finish_request(self, req: Request, finish_reason: FinishReason) -> None:
+    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         root = self._roots.pop(req.request_id, None)
         if root is None:
             return
@@ -144,7 +144,7 @@ class Tracing:
         )
         root.end(self._wall(end))
 
-    def iteration(self, it: IterationRecord) -> None:
+    def on_iteration(self, it: IterationRecord) -> None:
         if self.iteration_sample <= 0 or random.random() >= self.iteration_sample:
             return
         links = [Link(self._roots[r].get_span_context()) for r in it.request_ids if r in self._roots]

@@ -1,6 +1,6 @@
 """``GET /v1/stream``: JSON text frames, several generations per connection.
 
-Client -> server: ``generate``, ``cancel``, ``ping``, ``auth``.
+Client -> server: ``generate``, ``cancel``, ``ping``, ``auth`` (see ``ws_auth``).
 Server -> client: ``accepted``, ``token``, ``done``, ``error``, ``pong``.
 A disconnect aborts every generation of the connection at once.
 
@@ -11,7 +11,7 @@ per generation), detokenizes synchronously and writes the frames.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,11 @@ import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from core.sched.timings import request_timings
-from gateway.auth import origin_allowed, request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.protocol import ProtocolError, boolean, parse_generate
 from gateway.streams import RequestStream
+from gateway.ws_auth import accept
 
 log = structlog.get_logger(__name__)
 
@@ -45,12 +45,12 @@ class _Generation:
 
 
 class Connection:
-    def __init__(self, ws: WebSocket, client: EngineClient) -> None:
+    def __init__(self, ws: WebSocket, client: EngineClient, tenant: str) -> None:
         self.ws = ws
         self.client = client
         self.settings = client.settings
         self.gens: dict[str, _Generation] = {}
-        self.tenant = ""  # the API key's id once authenticated
+        self.tenant = tenant  # the API key's id ("" without keys)
         self.closed = False
         self._ready: dict[str, None] = {}  # generations with output to drain, in order
         self._wake = anyio.Event()
@@ -71,50 +71,31 @@ class Connection:
         await self.send(frame)
 
     async def run(self) -> None:
-        keys = self.settings.api_keys
-        self.tenant = tenant_of(request_key(self.ws.headers), keys) or ""
-        authed = not keys or bool(self.tenant)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._writer)
-            try:
-                auth_deadline = anyio.current_time() + self.settings.auth_timeout_s
-                while True:
-                    message = None
-                    with anyio.move_on_after(auth_deadline - anyio.current_time() if not authed else math.inf):
-                        message = await self.ws.receive()
-                    if message is None:  # no key in time: the socket does not stay open for free
-                        await self.error("unauthorized", f"no API key within {self.settings.auth_timeout_s:g} s")
-                        await self.ws.close(code=1008)
-                        break
-                    if message["type"] == "websocket.disconnect":
-                        break
-                    frame = await self._parse(message)
-                    if frame is None:
-                        continue
-                    kind = frame.get("type")
-                    if not authed:
-                        if kind == "auth" and (tenant := tenant_of(frame.get("api_key"), keys)):
-                            self.tenant, authed = tenant, True
-                            await self.send({"type": "authenticated"})
-                            continue
-                        await self.error("unauthorized", "send {'type': 'auth', 'api_key': ...} first")
-                        await self.ws.close(code=1008)
-                        break
-                    await self._dispatch(kind, frame, tg)
-            finally:
-                self.closed = True
-                for gen in self.gens.values():
-                    gen.cancelled = True
-                    if gen.request_id is not None:
-                        self.client.cancel(gen.request_id)
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._writer)
+                try:
+                    while (message := await self.ws.receive())["type"] != "websocket.disconnect":
+                        if (frame := await self._parse(message)) is not None:
+                            await self._dispatch(frame.get("type"), frame, tg)
+                finally:
+                    self.closed = True
+                    for gen in self.gens.values():
+                        gen.cancelled = True
+                        if gen.request_id is not None:
+                            self.client.cancel(gen.request_id)
+                    tg.cancel_scope.cancel()
+        finally:  # every task has ended, so no stream can still turn up
+            for gen in self.gens.values():
+                if gen.stream is not None:
+                    gen.stream.close()
 
-    async def _parse(self, message: dict[str, Any]) -> dict[str, Any] | None:
+    async def _parse(self, message: Mapping[str, Any]) -> dict[str, Any] | None:
         text = message.get("text")
         if text is None:
             await self.error("invalid_request", "binary frames are not supported; send JSON text frames")
             return None
-        if len(text) > self.settings.max_frame_bytes:
+        if len(text.encode()) > self.settings.max_frame_bytes:  # bytes, as the limit says, not characters
             await self.error("invalid_request", f"frame larger than {self.settings.max_frame_bytes} bytes")
             return None
         try:
@@ -238,8 +219,6 @@ def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int)
 
 async def stream_endpoint(ws: WebSocket) -> None:
     client: EngineClient = ws.app.state.client
-    if not origin_allowed(ws.headers.get("origin"), client.settings.allowed_origins, client.settings.host_names):
-        await ws.close(code=1008)
-        return
-    await ws.accept()
-    await Connection(ws, client).run()
+    tenant = await accept(ws, client)
+    if tenant is not None:
+        await Connection(ws, client, tenant).run()

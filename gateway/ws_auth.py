@@ -6,6 +6,7 @@ headers on a WebSocket, from a first ``auth`` frame within ``auth_timeout_s``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -28,27 +29,31 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
         return ""
     if (tenant := tenant_of(request_key(ws.headers), s.api_keys)) is not None:
         return tenant
-    message: dict[str, Any] | None = None
+    message: Mapping[str, Any] | None = None
     with anyio.move_on_after(s.auth_timeout_s):
         message = await ws.receive()
-    if message is not None and message["type"] == "websocket.disconnect":
+    if message is None:
+        why = f"no API key within {s.auth_timeout_s:g} s"
+    elif message["type"] == "websocket.disconnect":
         return None
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):  # the client may be gone
-        if message is None:
-            why = f"no API key within {s.auth_timeout_s:g} s"
-        elif (tenant := tenant_of(_auth_key(message), s.api_keys)) is not None:
-            await ws.send_text('{"type":"authenticated"}')
-            return tenant
-        else:
-            why = "send {'type': 'auth', 'api_key': ...} first"
-        client.metrics.errors.labels("unauthorized").inc()
-        error = {"type": "error", "id": None, "code": "unauthorized", "message": why}
-        await ws.send_text(orjson.dumps(error).decode())
+    elif (tenant := tenant_of(_auth_key(message), s.api_keys)) is not None:
+        await _send(ws, '{"type":"authenticated"}')  # a client already gone shows up as a disconnect
+        return tenant
+    else:
+        why = "send {'type': 'auth', 'api_key': ...} first"
+    client.metrics.errors.labels("unauthorized").inc()
+    await _send(ws, orjson.dumps({"type": "error", "id": None, "code": "unauthorized", "message": why}).decode())
+    with contextlib.suppress(RuntimeError, OSError):
         await ws.close(code=1008)
     return None
 
 
-def _auth_key(message: dict[str, Any]) -> object:
+async def _send(ws: WebSocket, text: str) -> None:
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        await ws.send_text(text)
+
+
+def _auth_key(message: Mapping[str, Any]) -> object:
     """The ``api_key`` of an ``{"type": "auth", ...}`` text frame, else None."""
     try:
         frame = orjson.loads(message.get("text") or b"")

@@ -41,7 +41,7 @@ class RunningServer:
         return self.client.step_loop.call(fn).result(10)
 
     def kv_used(self) -> int:
-        return self.engine_call(lambda: self.client.engine.kv.num_used_blocks)
+        return self.engine_call(lambda: self.client.step_loop.engine.kv.num_used_blocks)
 
     def wait_kv_baseline(self, timeout: float = 10.0) -> int:
         deadline = time.monotonic() + timeout

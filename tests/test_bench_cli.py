@@ -10,6 +10,8 @@ import pytest
 
 from tests.server import sim_server
 
+pytestmark = pytest.mark.slow  # load runs against live servers
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -108,6 +108,7 @@ def test_dispatch_reads_compact_weights_only_for_decode_sized_batches():
     assert calls == [1, layer.COMPACT_ROWS]  # the reference path never does
 
 
+@pytest.mark.slow
 def test_embedded_model_layers_widen_to_the_loaders_float32_weights():
     """The real file: Q8_0 embeddings (tied head), Q4_1 layers, Q/K rows un-permuted."""
     loaded = load_model(None)

@@ -138,12 +138,14 @@ def _backend_in_subprocess(env: dict[str, str]) -> str:
     return out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_fallback_can_be_forced():
     out = _backend_in_subprocess({"STALLFREE_CPU_KERNELS": "reference"})
     assert "reference (STALLFREE_CPU_KERNELS=reference)" in out
     assert "kernels.reference" in out
 
 
+@pytest.mark.slow
 def test_missing_compiler_falls_back_with_a_log_line(tmp_path):
     """No c++ on PATH (and an empty build cache): the reference runs and a warning says why."""
     out = _backend_in_subprocess({"PATH": str(tmp_path), "STALLFREE_KERNEL_CACHE": str(tmp_path / "cache")})
@@ -163,6 +165,7 @@ def smollm():
     return load_model(None)
 
 
+@pytest.mark.slow
 def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm):
     """The embedded SmolLM2 in float32, chunked (budget 64): the native kernels and
     the torch reference produce the same greedy tokens on a fixed prompt set."""

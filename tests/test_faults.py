@@ -98,6 +98,7 @@ async def test_a_request_that_breaks_every_schedule_is_failed_and_the_engine_goe
     assert server.wait_kv_baseline() == 0
 
 
+@pytest.mark.slow
 async def test_a_broken_engine_stops_cleanly():
     """Every iteration fails: after MAX_FAILED_ITERATIONS in a row the engine gives up;
     every stream has its error, health checks report it, new requests get 503, the
@@ -126,6 +127,7 @@ async def test_a_broken_engine_stops_cleanly():
         s.thread.join(15)
 
 
+@pytest.mark.slow
 async def test_watchdog_notices_a_step_thread_that_died():
     s = sim_server()
     try:
@@ -139,6 +141,7 @@ async def test_watchdog_notices_a_step_thread_that_died():
         s.thread.join(15)
 
 
+@pytest.mark.slow
 async def test_watchdog_notices_an_iteration_that_never_ends():
     s = sim_server(time_scale=200.0, settings=GatewaySettings(stuck_iteration_s=0.5))
     try:
@@ -151,6 +154,7 @@ async def test_watchdog_notices_an_iteration_that_never_ends():
         s.thread.join(15)
 
 
+@pytest.mark.slow
 def test_the_server_process_exits_non_zero_when_the_engine_breaks():
     env = {**os.environ, "STALLFREE_FAULTS": "sample:0:1000"}
     server = ServerProcess("--sim", "--sim-time-scale", "0.02", env=env)

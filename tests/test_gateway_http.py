@@ -182,6 +182,7 @@ async def test_bad_ws_frames_get_errors_and_the_connection_keeps_serving(server)
     assert await asyncio.to_thread(server.wait_kv_baseline) == 0
 
 
+@pytest.mark.slow
 async def test_overloaded_when_too_many_waiting():
     # every iteration takes ~2.5 s: the first two requests wait for their first token
     srv = sim_server(time_scale=50.0, settings=GatewaySettings(max_waiting=2), token_budget=80, max_num_seqs=64)
@@ -231,6 +232,7 @@ def test_api_keys_on_http():
         srv.stop()
 
 
+@pytest.mark.slow
 async def test_graceful_shutdown_finishes_or_cancels_in_flight_streams():
     srv = sim_server(time_scale=0.05, settings=GatewaySettings(drain_timeout_s=0.5))
     async with connect(srv.ws_url) as ws:

@@ -116,6 +116,7 @@ async def test_disconnect_mid_stream_frees_kv_and_spares_others(server):
     assert server.wait_kv_baseline() == 0
 
 
+@pytest.mark.slow
 async def test_slow_reader_does_not_slow_the_others():
     """One client stops reading. The server keeps the others' streams going,
     coalesces the slow one's tokens once its socket is full, then cuts it off

@@ -94,6 +94,7 @@ BAD_SETTINGS = {
 }
 
 
+@pytest.mark.slow
 def test_every_live_setting_is_typed_and_bounded_and_a_refusal_changes_nothing(server):
     assert set(BAD_SETTINGS) == set(RANGES) & set(BAD_SETTINGS)
     before = httpx.get(server.url + "/api/config").json()["scheduler"]
@@ -118,6 +119,7 @@ async def test_a_request_with_a_huge_top_k_is_refused_and_spares_its_batch(serve
     assert frames["ok"][-1]["type"] == "done" and frames["ok"][-1]["usage"]["completion_tokens"] == 20
 
 
+@pytest.mark.slow
 async def test_the_waiting_limit_holds_under_a_burst():
     """150 requests at once with room for 8: exactly 142 are refused, over HTTP and WebSocket."""
     srv = sim_server(time_scale=300.0, settings=GatewaySettings(max_waiting=8), token_budget=80, max_num_seqs=64)
@@ -155,6 +157,7 @@ def test_browser_requests_from_other_origins_cannot_change_anything(server):
     assert httpx.post(server.url + "/v1/completions", content=body).status_code == 200  # no Origin: not a browser
 
 
+@pytest.mark.slow
 def test_configured_origins_and_host_names_are_allowed():
     settings = GatewaySettings(allowed_origins=("https://app.example",))
     srv = sim_server(settings=settings)
@@ -183,13 +186,40 @@ def test_configured_origins_and_host_names_are_allowed():
 
 # -- protocol edges ---------------------------------------------------------------
 async def test_every_socket_must_authenticate_in_time():
+    """Both sockets go through one check: same timeout, same error frame, same close."""
     srv = sim_server(settings=GatewaySettings(api_keys=("k",), auth_timeout_s=0.3))
     try:
-        async with connect(srv.ws_url) as ws:
-            f = await recv(ws, timeout=5)
-            assert f["type"] == "error" and f["code"] == "unauthorized" and "within" in f["message"]
-            with pytest.raises(ConnectionClosed):
-                await recv(ws, timeout=5)
+        errors = []
+        for path in ("/v1/stream", "/ws/telemetry"):
+            async with connect(f"ws://127.0.0.1:{srv.port}{path}") as ws:
+                start = time.monotonic()
+                f = await recv(ws, timeout=5)
+                waited = time.monotonic() - start
+                with pytest.raises(ConnectionClosed) as closed:
+                    await recv(ws, timeout=5)
+            assert closed.value.rcvd.code == 1008
+            assert 0.25 < waited < 3, path
+            errors.append(f)
+        assert errors[0] == errors[1]
+        assert errors[0]["type"] == "error" and errors[0]["code"] == "unauthorized" and "within" in errors[0]["message"]
+    finally:
+        srv.stop()
+
+
+async def test_a_wrong_first_frame_is_refused_alike_on_both_sockets():
+    srv = sim_server(settings=GatewaySettings(api_keys=("k",), auth_timeout_s=5))
+    try:
+        for path in ("/v1/stream", "/ws/telemetry"):
+            for first in ('{"type":"auth","api_key":"nope"}', '{"type":"ping"}', "not json"):
+                async with connect(f"ws://127.0.0.1:{srv.port}{path}") as ws:
+                    await ws.send(first)
+                    f = await recv(ws, timeout=5)
+                    assert f["code"] == "unauthorized" and f["message"].startswith("send {'type': 'auth'"), (path, f)
+                    with pytest.raises(ConnectionClosed):
+                        await recv(ws, timeout=5)
+            async with connect(f"ws://127.0.0.1:{srv.port}{path}") as ws:
+                await send(ws, type="auth", api_key="k")
+                assert (await recv(ws, timeout=5))["type"] == "authenticated"
     finally:
         srv.stop()
 
@@ -203,6 +233,9 @@ async def test_an_oversized_frame_gets_an_error_frame_before_the_close():
             assert f["type"] == "error" and "larger than 1000" in f["message"]
             await send(ws, type="ping")
             assert (await recv(ws))["type"] == "pong"
+            await ws.send(orjson.dumps({"type": "ping", "pad": "\u20ac" * 400}).decode())  # 424 characters, 1224 bytes
+            f = await recv(ws)
+            assert f["type"] == "error" and "larger than 1000" in f["message"]
             await ws.send("y" * 5000)  # over the protocol's cap (4x): error frame, then 1009
             f = await recv(ws)
             assert f["type"] == "error" and f["code"] == "invalid_request" and "too large" in f["message"]
@@ -213,6 +246,7 @@ async def test_an_oversized_frame_gets_an_error_frame_before_the_close():
         srv.stop()
 
 
+@pytest.mark.slow
 def test_a_trickled_body_times_out():
     srv = sim_server(settings=GatewaySettings(body_timeout_s=0.5))
     try:
@@ -254,6 +288,7 @@ def _gauge(text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+@pytest.mark.slow
 async def test_gauges_are_current_after_a_disconnect_without_another_iteration():
     srv = sim_server(time_scale=0.05)
     try:
@@ -275,6 +310,7 @@ async def test_gauges_are_current_after_a_disconnect_without_another_iteration()
         srv.stop()
 
 
+@pytest.mark.slow
 async def test_openai_streams_cut_by_a_drain_finish_as_cancelled_not_stop():
     srv = sim_server(time_scale=0.05, settings=GatewaySettings(drain_timeout_s=0.3))
     body = {"prompt": "b", "max_tokens": 5000, "ignore_eos": True, "stream": True}

@@ -208,6 +208,7 @@ def test_profile_fits_and_chooses_a_budget(tiny):
     assert slow == curve[-1][0]
 
 
+@pytest.mark.slow
 def test_real_model_answers_paris():
     """The embedded SmolLM2-135M-Instruct, greedy, through the CLI.
 

@@ -25,6 +25,7 @@ from websockets.asyncio.client import connect
 
 from core.build import build_sim_engine
 from core.sched.config import SchedulerConfig
+from gateway.observers import Observer
 from gateway.settings import GatewaySettings
 from gateway.tracing import Tracing
 from tests.server import RunningServer
@@ -151,6 +152,7 @@ async def test_span_tree_phases_and_parent_links(monkeypatch):
         receiver.stop()
 
 
+@pytest.mark.slow
 async def test_collector_down_costs_nothing_but_a_warning(monkeypatch):
     server = traced_server(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
     try:
@@ -227,6 +229,37 @@ async def test_one_log_event_per_finished_request_without_text():
         assert e["completion_tokens"] == 4 and e["finish_reason"] == "length"
         assert {"queue_wait_ms", "prefill_ms", "decode_ms", "ttft_ms", "max_gap_ms"} <= set(e)
         assert "prompt" not in e and "secret" not in str(e)
+    finally:
+        server.stop()
+
+
+class BrokenObserver(Observer):
+    """Raises on every event."""
+
+    def on_submit(self, *args: object) -> None:
+        raise RuntimeError("broken")
+
+    on_counts = on_iteration = on_tokens = on_finish = on_submit
+
+
+async def test_a_failing_observer_costs_nobody_their_tokens_nor_the_other_observers_their_events():
+    engine, tokenizer = build_sim_engine(SchedulerConfig(token_budget=96, max_num_seqs=16), time_scale=0.02)
+    server = RunningServer(engine, tokenizer)
+    server.client.observers.insert(0, BrokenObserver())
+    try:
+        with capture_logs() as logs:
+            async with connect(server.ws_url) as ws:
+                frame = {"type": "generate", "id": "g", "prompt": "hello", "max_tokens": 6, "ignore_eos": True}
+                await ws.send(orjson.dumps(frame).decode())
+                while (f := orjson.loads(await asyncio.wait_for(ws.recv(), 20)))["type"] != "done":
+                    assert f["type"] != "error"
+        assert f["finish_reason"] == "length" and f["usage"]["completion_tokens"] == 6
+        failed = [e for e in logs if e["event"] == "observer_failed"]
+        assert failed and all(e["observer"] == "BrokenObserver" for e in failed)
+        assert [e["completion_tokens"] for e in logs if e["event"] == "request_finished"] == [6]
+        metrics = (await asyncio.to_thread(httpx.get, server.url + "/metrics")).text
+        assert sample(metrics, "stallfree_generation_tokens_total") == 6
+        assert sample(metrics, "stallfree_requests_finished_total", finish_reason="length") == 1
     finally:
         server.stop()
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import pytest
+
 from bench.soak import Server, soak
+
+pytestmark = pytest.mark.slow  # a 25 s soak
 
 
 def test_short_soak_returns_to_baseline():

@@ -1,11 +1,20 @@
-"""Per-request streams: bounded queue, coalescing overflow, slow-consumer cut-off."""
+"""Per-request streams: bounded queue, coalescing overflow, slow-consumer cut-off,
+and both ends of every stream closed however its request ends."""
 
+import asyncio
+import gc
 import time
+import warnings
 
 import anyio
+import httpx
+import pytest
+from websockets.asyncio.client import connect
 
 from core.sched.request import FinishReason
 from gateway.streams import RequestStream
+from tests.server import sim_server
+from tests.test_gateway_ws import collect, recv, send
 
 
 async def test_overflow_coalesces_into_one_delta_in_order():
@@ -64,3 +73,81 @@ async def test_fail_wakes_a_waiting_consumer():
         await anyio.sleep(0.01)
         s.fail(FinishReason.ABORT)
     assert got[0].finish_reason == FinishReason.ABORT
+
+
+def open_ends(s: RequestStream) -> tuple[int, int]:
+    """(send, receive) ends of the stream's memory channel still open."""
+    stats = s._recv.statistics()
+    return stats.open_send_streams, stats.open_receive_streams
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+@pytest.mark.parametrize("end", ["finish", "fail"])
+async def test_the_final_delta_closes_the_send_end_and_taking_it_the_receive_end(overflow, end):
+    s = RequestStream("r", capacity=2, slow_consumer_s=60)
+    for i in range(5 if overflow else 1):
+        s.put([i], i, None, None)
+    if end == "finish":
+        s.put([9], 9, FinishReason.LENGTH, None)
+    else:
+        s.fail(FinishReason.ABORT)
+    assert open_ends(s) == (0, 1)
+    got = []
+    while (d := s.get_nowait()) is not None:  # after the send end closed: buffered, then the pending final
+        got.append(d)
+        if d.finish_reason is not None:
+            break
+    assert got[-1].finish_reason == (FinishReason.LENGTH if end == "finish" else FinishReason.ABORT)
+    if end == "finish":
+        assert [t for d in got for t in d.token_ids] == [*range(5 if overflow else 1), 9]
+    assert open_ends(s) == (0, 0)
+
+
+async def test_a_consumer_that_gives_up_closes_both_ends_and_later_output_is_ignored():
+    s = RequestStream("r", capacity=2, slow_consumer_s=60)
+    s.put([0], 0, None, None)
+    s.close()
+    assert open_ends(s) == (0, 0)
+    assert s.put([1], 1, FinishReason.ABORT, None)  # the engine's abort arrives later: no error
+    s.fail(FinishReason.ERROR)
+
+
+def unclosed(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, ResourceWarning) and "Unclosed" in str(w.message)]
+
+
+async def test_no_stream_is_left_unclosed_however_requests_end():
+    """Finished, cancelled and abandoned requests over both APIs, and a dashboard socket."""
+    server = sim_server()
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always", ResourceWarning)
+            async with connect(server.ws_url) as ws:
+                await send(ws, type="generate", id="done", prompt="hi", max_tokens=4, ignore_eos=True)
+                await send(ws, type="generate", id="cancelled", prompt="hi", max_tokens=500, ignore_eos=True)
+                await send(ws, type="cancel", id="cancelled")
+                assert {f[-1]["type"] for f in (await collect(ws, ["done", "cancelled"])).values()} == {"done"}
+                await send(ws, type="generate", id="left", prompt="hi", max_tokens=500, ignore_eos=True)
+                while (await recv(ws))["type"] != "token":
+                    pass
+            async with connect(server.ws_url.replace("/v1/stream", "/ws/telemetry")) as ws:
+                assert (await recv(ws))["type"] == "telemetry"
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+                body = {"prompt": "hi", "max_tokens": 3}
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+                r = await http.post("/v1/completions", json={**body, "stream": True})
+                assert r.text.endswith("data: [DONE]\n\n")
+                body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            break  # the client goes away mid-stream
+            deadline = time.monotonic() + 10
+            while server.client.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert server.client.num_in_flight == 0
+            await asyncio.sleep(0.2)  # the abandoned streams' consumers finish on the server's loop
+            gc.collect()
+        assert unclosed(record) == []
+    finally:
+        server.stop()

@@ -1,0 +1,66 @@
+"""The one interface for everything that watches requests and iterations:
+metrics, dashboard telemetry, traces and the request log.
+
+``EngineClient`` admits requests and fans tokens out; it tells each
+observer what happened, guarding every call, so that an observer's failure
+never costs anybody their tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from core.model.tokenizer import Tokenizer
+from core.sched.batch import IterationRecord
+from core.sched.engine import Counts
+from core.sched.request import FinishReason, Request
+from core.sched.timings import request_timings
+
+log = structlog.get_logger(__name__)
+
+
+class Observer:
+    """Every event, on the event loop; an observer overrides those it needs."""
+
+    def on_submit(self, req: Request, operation: str, model: str, traceparent: str | None) -> None:
+        """Accepted and queued (operation: ``chat`` or ``text_completion``)."""
+
+    def on_counts(self, counts: Counts) -> None:
+        """After every engine step, including the ones that only report aborts."""
+
+    def on_iteration(self, it: IterationRecord) -> None:
+        """Once per iteration that ran."""
+
+    def on_tokens(self, request_id: str, count: int, emit_ns: int, gap_ns: int | None, stalled: bool) -> None:
+        """One request's tokens of one iteration; gap_ns since its previous ones (None for
+        the first), stalled: another request's prefill ran in that gap."""
+
+    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
+        """The request ended; its timeline has the engine's timestamps."""
+
+
+class RequestLog(Observer):
+    """One ``request_finished`` line per request; prompt and completion text
+    only when asked for (``--log-text``)."""
+
+    def __init__(self, tokenizer: Tokenizer, log_text: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.log_text = log_text
+
+    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
+        fields: dict[str, Any] = {
+            "request_id": req.request_id,
+            "tenant": req.tenant,
+            "finish_reason": finish_reason,
+            "prompt_tokens": req.num_prompt_tokens,
+            "completion_tokens": req.num_output_tokens,
+            "cached_tokens": req.num_cached_tokens,
+            "preemptions": req.num_preemptions,
+            **request_timings(req.timeline).as_dict(),
+        }
+        if self.log_text:
+            fields["prompt"] = self.tokenizer.decode(req.prompt_token_ids)
+            fields["completion"] = self.tokenizer.decode(req.output_token_ids)
+        log.info("request_finished", **fields)
