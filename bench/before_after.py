@@ -1,6 +1,6 @@
 """One benchmark on two source trees in one run, interleaved (before, after,
-before, after, ...), so a change's effect on speed is told apart from the
-noise of a shared machine.
+after, before, ...), so a change's effect on speed is told apart from the
+noise of a shared machine and from whichever runs second.
 
     .venv/bin/python -m bench.before_after --before ../before --repeats 3 \\
         -- bench.model_throughput --threads 1 --repeats 1
@@ -60,7 +60,8 @@ def main() -> None:
     trees = {"before": args.before.resolve(), "after": ROOT}
     runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name in trees}
     for rep in range(args.repeats):
-        for name, tree in trees.items():
+        order = list(trees.items())
+        for name, tree in order if rep % 2 == 0 else reversed(order):  # ABBA: no tree always runs second
             start = time.perf_counter()
             runs[name].append(run_once(tree, module, bench_args, f"before-after-{name}-{os.getpid()}"))
             print(f"repeat {rep + 1}/{args.repeats}: {name} {time.perf_counter() - start:.0f} s", file=sys.stderr)
