@@ -24,6 +24,7 @@ from gateway.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
 from gateway.engine_client import EngineClient
 from gateway.openai_api import chat_completions, completions, error_response, models, read_json
 from gateway.protocol import ProtocolError, error_body
+from gateway.tokens_api import detokenize, tokenize
 from gateway.websocket import stream_endpoint
 
 
@@ -89,6 +90,7 @@ async def api_config(request: Request) -> Response:
 
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+TOKEN_PATHS = ("/tokenize", "/detokenize")
 
 
 class GuardMiddleware:
@@ -124,7 +126,7 @@ class GuardMiddleware:
     @staticmethod
     def _guarded(scope: Scope) -> bool:
         path = scope["path"]
-        return path.startswith("/v1/") or (path == "/api/config" and scope["method"] != "GET")
+        return path.startswith("/v1/") or path in TOKEN_PATHS or (path == "/api/config" and scope["method"] != "GET")
 
 
 def _static_or_not_found(static: ASGIApp, not_found: ASGIApp) -> ASGIApp:
@@ -157,6 +159,8 @@ def create_app(client: EngineClient) -> Starlette:
         Route("/v1/models", models),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         WebSocketRoute("/v1/stream", stream_endpoint),
         WebSocketRoute("/ws/telemetry", telemetry_endpoint),
     ]

@@ -20,14 +20,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, text_pieces
+from gateway.openai_fields import check_fields
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "suffix", "best_of")
 
-
-def error_response(code: str, message: str, retry_after_s: int = 0) -> JSONResponse:
+def error_response(code: str, message: str, retry_after_s: int = 0, param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
-    return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 400), headers=headers)
+    return JSONResponse(error_body(code, message, param), status_code=HTTP_STATUS.get(code, 400), headers=headers)
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
@@ -57,6 +56,7 @@ async def models(request: Request) -> Response:
 
 
 def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRequest:
+    check_fields(body, chat)
     boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and (
@@ -64,26 +64,19 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
         or set(options) - {"include_usage"}
         or not isinstance(options.get("include_usage", False), (bool, type(None)))
     ):
-        raise ProtocolError("invalid_request", "stream_options must be {include_usage: true or false}")
+        raise ProtocolError(
+            "invalid_request", "stream_options must be {include_usage: true or false}", param="stream_options"
+        )
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
-            raise ProtocolError("invalid_request", f"{name} must be a string")
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, [], 0):
-            raise ProtocolError("invalid_request", f"{name} is not supported")
-    if body.get("n", 1) != 1:
-        raise ProtocolError("invalid_request", "n must be 1")
+            raise ProtocolError("invalid_request", f"{name} must be a string", param=name)
     if chat:
-        if "prompt" in body:
-            raise ProtocolError("invalid_request", "chat completions take messages, not prompt")
         body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
         defaults: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             body = {**body, "prompt": prompt[0]}
-        if "messages" in body:
-            raise ProtocolError("invalid_request", "completions take prompt, not messages")
         defaults = {"temperature": 1.0, "max_tokens": 16}
     return parse_generate(body, defaults, client.snapshot.config.max_model_len)
 
@@ -108,7 +101,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         stream, prompt_tokens = await client.submit(req, request_id)
     except ProtocolError as exc:
         client.metrics.errors.labels(exc.code).inc()
-        return error_response(exc.code, exc.message, exc.retry_after_s)
+        return error_response(exc.code, exc.message, exc.retry_after_s, exc.param)
     model = body.get("model") or client.settings.model_name
     maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
     pieces = text_pieces(stream, maker)
@@ -130,10 +123,20 @@ class _Shape:
         self.id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
         self.created = int(time.time())
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache, known at the end
+
+    def count(self, piece: Piece) -> None:
+        self.completion_tokens += len(piece.token_ids)
+        if piece.request is not None:
+            self.cached_tokens = piece.request.num_cached_tokens
 
     def usage(self) -> dict[str, Any]:
-        total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
         if self.chat:
@@ -182,7 +185,7 @@ async def _sse(
             yield b"data: " + orjson.dumps(shape.chunk("", None, first=True)) + b"\n\n"
         try:
             async for piece in pieces:
-                shape.completion_tokens += len(piece.token_ids)
+                shape.count(piece)
                 finish = _finish(piece) if piece.finish_reason else None
                 if piece.text or finish:
                     yield b"data: " + orjson.dumps(shape.chunk(piece.text, finish)) + b"\n\n"
@@ -219,7 +222,7 @@ async def _collect(
         try:
             async for piece in pieces:
                 parts.append(piece.text)
-                shape.completion_tokens += len(piece.token_ids)
+                shape.count(piece)
                 if piece.finish_reason:
                     result = shape.whole("".join(parts), _finish(piece))
         except ProtocolError as exc:

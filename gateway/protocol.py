@@ -30,12 +30,20 @@ MAX_ID_CHARS = 128
 
 
 class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, request_id: str | None = None, retry_after_s: int = 0) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        request_id: str | None = None,
+        retry_after_s: int = 0,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
         self.retry_after_s = retry_after_s  # > 0: when the client may try again (HTTP Retry-After)
+        self.param = param  # the request field at fault, when there is one (OpenAI's error.param)
 
 
 @dataclass(slots=True)
@@ -55,7 +63,7 @@ def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: i
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ProtocolError("invalid_request", f"{name} must be an integer in [{low}, {high}]")
+        raise ProtocolError("invalid_request", f"{name} must be an integer in [{low}, {high}]", param=name)
     return value
 
 
@@ -65,9 +73,9 @@ def _float(body: dict[str, Any], name: str, default: float, low: float, high: fl
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProtocolError("invalid_request", f"{name} must be a finite number")
+        raise ProtocolError("invalid_request", f"{name} must be a finite number", param=name)
     if not low <= value <= high:
-        raise ProtocolError("invalid_request", f"{name} must be in [{low}, {high}]")
+        raise ProtocolError("invalid_request", f"{name} must be in [{low}, {high}]", param=name)
     return float(value)
 
 
@@ -77,7 +85,7 @@ def boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ProtocolError("invalid_request", f"{name} must be true or false")
+        raise ProtocolError("invalid_request", f"{name} must be true or false", param=name)
     return value
 
 
@@ -87,28 +95,31 @@ def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or len(value) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in value):
-        raise ProtocolError("invalid_request", f"stop must be a string or a list of at most {MAX_STOP_STRINGS}")
+        raise ProtocolError(
+            "invalid_request", f"stop must be a string or a list of at most {MAX_STOP_STRINGS}", param="stop"
+        )
     if any(len(s) > 256 for s in value):
-        raise ProtocolError("invalid_request", "stop strings are limited to 256 characters")
+        raise ProtocolError("invalid_request", "stop strings are limited to 256 characters", param="stop")
     return tuple(s for s in value if s)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def messages_field(value: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages, text only, as role/content dicts."""
     if not isinstance(value, list) or not value:
-        raise ProtocolError("invalid_request", "messages must be a non-empty list")
+        raise ProtocolError("invalid_request", "messages must be a non-empty list", param="messages")
     out = []
     for m in value:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ProtocolError("invalid_request", f"each message needs a role in {', '.join(ROLES)}")
+            raise ProtocolError("invalid_request", f"each message needs a role in {', '.join(ROLES)}", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
             ):
-                raise ProtocolError("invalid_request", "only text content parts are supported")
+                raise ProtocolError("invalid_request", "only text content parts are supported", param="messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise ProtocolError("invalid_request", "message content must be a string")
+            raise ProtocolError("invalid_request", "message content must be a string", param="messages")
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -122,16 +133,16 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
     has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
     if has_messages == has_prompt:
         raise ProtocolError("invalid_request", "give exactly one of messages or prompt")
-    messages = _messages(body["messages"]) if has_messages else None
+    messages = messages_field(body["messages"]) if has_messages else None
     prompt = body.get("prompt")
     if has_prompt and not isinstance(prompt, str):
-        raise ProtocolError("invalid_request", "prompt must be a string")
+        raise ProtocolError("invalid_request", "prompt must be a string", param="prompt")
     max_tokens = _int(body, "max_tokens", defaults.get("max_tokens"), 1, max_model_len)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     ignore_eos = boolean(body, "ignore_eos")
     traceparent = body.get("traceparent")
     if traceparent is not None and not isinstance(traceparent, str):
-        raise ProtocolError("invalid_request", "traceparent must be a string")
+        raise ProtocolError("invalid_request", "traceparent must be a string", param="traceparent")
     sampling = SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=_float(body, "temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
@@ -145,7 +156,7 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
     return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
 
 
-def error_body(code: str, message: str) -> dict[str, Any]:
+def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
     kind = {
         "unauthorized": "authentication_error",
@@ -154,7 +165,8 @@ def error_body(code: str, message: str) -> dict[str, Any]:
         "internal": "server_error",
         "unavailable": "server_error",
     }
-    return {"error": {"message": message, "type": kind.get(code, "invalid_request_error"), "param": None, "code": code}}
+    kind_of = kind.get(code, "invalid_request_error")
+    return {"error": {"message": message, "type": kind_of, "param": param, "code": code}}
 
 
 HTTP_STATUS = {

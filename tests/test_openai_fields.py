@@ -1,0 +1,171 @@
+"""Every field of OpenAI's chat and completions schemas is honoured or refused
+with a 400 naming it; no-op defaults are accepted (one table, both endpoints,
+streaming and not)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.openai_fields import CHAT, COMPLETIONS, IMPLEMENTED
+from tests.server import sim_server
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+# a value each implemented field takes, and for the others one that asks for more than the default
+GOOD = {
+    "model": "m",
+    "max_tokens": 2,
+    "max_completion_tokens": 2,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "stop": ["\n\n"],
+    "seed": 7,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "user": "someone",
+    "top_k": 5,
+    "ignore_eos": True,
+    "priority": 1,
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "messages": [{"role": "user", "content": "Hi"}],
+    "prompt": "Hi",
+}
+NO_OP = {
+    "n": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0.0,
+    "logit_bias": {},
+    "logprobs": None,
+    "top_logprobs": 0,
+    "response_format": {"type": "text"},
+    "tools": [],
+    "tool_choice": "none",
+    "parallel_tool_calls": True,
+    "functions": None,
+    "function_call": "none",
+    "modalities": ["text"],
+    "audio": None,
+    "prediction": None,
+    "reasoning_effort": None,
+    "verbosity": None,
+    "web_search_options": None,
+    "store": False,
+    "metadata": None,
+    "service_tier": "auto",
+    "prompt_cache_key": "conversation-1",
+    "safety_identifier": "hashed-user",
+    "best_of": 1,
+    "echo": False,
+    "suffix": "",
+}
+REFUSED = {
+    "n": 2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "logit_bias": {"42": 5},
+    "logprobs": 2,
+    "top_logprobs": 3,
+    "response_format": {"type": "json_object"},
+    "tools": [TOOL],
+    "tool_choice": "auto",
+    "parallel_tool_calls": "yes",
+    "functions": [TOOL["function"]],
+    "function_call": "auto",
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "web_search_options": {},
+    "store": True,
+    "metadata": {"k": "v"},
+    "service_tier": "flex",
+    "prompt_cache_key": 5,
+    "safety_identifier": 5,
+    "best_of": 2,
+    "echo": True,
+    "suffix": " the end",
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = sim_server()
+    yield s
+    s.stop()
+
+
+def post(server, chat: bool, body: dict) -> httpx.Response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"messages": GOOD["messages"]} if chat else {"prompt": GOOD["prompt"]}
+    return httpx.post(server.url + path, json={**base, "max_tokens": 1, **body}, timeout=30)
+
+
+def test_the_table_covers_both_schemas():
+    assert set(GOOD) | set(NO_OP) >= set(CHAT) | set(COMPLETIONS)
+    assert {f for f, rule in {**CHAT, **COMPLETIONS}.items() if rule != IMPLEMENTED} == set(NO_OP) == set(REFUSED)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_every_field_is_honoured_or_refused_by_name(server, chat, stream):
+    fields = CHAT if chat else COMPLETIONS
+    other = COMPLETIONS if chat else CHAT
+    for name, rule in fields.items():
+        value = GOOD.get(name) if rule == IMPLEMENTED else NO_OP[name]
+        if name in ("messages", "prompt"):
+            continue  # the base of every request
+        body = {name: value, "stream": stream}
+        r = post(server, chat, body)
+        assert r.status_code == 200, (name, value, r.text)
+        if rule != IMPLEMENTED:
+            r = post(server, chat, {name: REFUSED[name], "stream": stream})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == name and name in error["message"], (name, r.text)
+    for name in set(other) - set(fields):
+        r = post(server, chat, {name: GOOD.get(name, REFUSED.get(name)), "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+    r = post(server, chat, {"frobnicate": 1, "stream": stream})
+    assert r.status_code == 400 and "frobnicate: unknown field" in r.json()["error"]["message"]
+
+
+def test_no_op_defaults_from_the_official_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    comp = client.completions.create(model="m", prompt="Hi", max_tokens=2, best_of=1, n=None, suffix="", echo=False)
+    assert comp.choices[0].text is not None
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, n=1, store=False, tools=[]
+    )
+    assert chat.choices[0].message.content is not None
+
+
+def test_usage_reports_cached_prompt_tokens(server):
+    long = "The same long system prompt for every turn. " * 40
+    body = {"messages": [{"role": "system", "content": long}, {"role": "user", "content": "Hi"}], "max_tokens": 2}
+    first = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()["usage"]
+    again = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 16  # all full blocks hit
+
+
+def test_tokenize_and_detokenize(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, timeout=10).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] > 0
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
+    assert back["prompt"] == "Hello world"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=10)
+    usage = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    ).json()["usage"]
+    assert chat.json()["count"] == usage["prompt_tokens"]  # what a chat request costs
+    for path, body, param in [
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+    ]:
+        r = httpx.post(server.url + path, json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
