@@ -58,11 +58,13 @@ COMMON: dict[str, str | NoOp] = {
     "stream_options": IMPLEMENTED,
     "user": IMPLEMENTED,  # an end-user id: informational
     "n": _null_or(1),
-    "presence_penalty": _null_or(0, 0.0),
-    "frequency_penalty": _null_or(0, 0.0),
-    "logit_bias": _null_or({}),
+    "presence_penalty": IMPLEMENTED,
+    "frequency_penalty": IMPLEMENTED,
+    "logit_bias": IMPLEMENTED,
     # stallfree's (and vLLM's) extensions
     "top_k": IMPLEMENTED,
+    "min_p": IMPLEMENTED,
+    "repetition_penalty": IMPLEMENTED,
     "ignore_eos": IMPLEMENTED,
     "priority": IMPLEMENTED,
     "traceparent": IMPLEMENTED,

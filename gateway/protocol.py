@@ -26,6 +26,7 @@ ERROR_CODES = (
 )
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries
 MAX_ID_CHARS = 128
 
 
@@ -103,6 +104,30 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}; ids are checked against the vocabulary by the engine."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise ProtocolError(
+            "invalid_request", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", param="logit_bias"
+        )
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ProtocolError(
+                "invalid_request", f"logit_bias key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise ProtocolError(
+                "invalid_request", "logit_bias values must be numbers in [-100, 100]", param="logit_bias"
+            )
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
 def messages_field(value: Any) -> list[dict[str, str]]:
     """OpenAI chat messages, text only, as role/content dicts."""
     if not isinstance(value, list) or not value:
@@ -151,6 +176,11 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         seed=seed,
         stop=_stop(body.get("stop")),
         ignore_eos=ignore_eos,
+        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
     )
     priority = _int(body, "priority", 0, -(2**31), 2**31 - 1) or 0
     return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from gateway.openai_fields import CHAT, COMPLETIONS, IMPLEMENTED
-from tests.server import sim_server
+from tests.server import sim_server, tiny_server
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
@@ -25,6 +25,11 @@ GOOD = {
     "stream_options": {"include_usage": True},
     "user": "someone",
     "top_k": 5,
+    "min_p": 0.05,
+    "repetition_penalty": 1.2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "logit_bias": {"42": 5, "7": -100},
     "ignore_eos": True,
     "priority": 1,
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
@@ -33,9 +38,6 @@ GOOD = {
 }
 NO_OP = {
     "n": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0.0,
-    "logit_bias": {},
     "logprobs": None,
     "top_logprobs": 0,
     "response_format": {"type": "text"},
@@ -61,9 +63,6 @@ NO_OP = {
 }
 REFUSED = {
     "n": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": 0.5,
-    "logit_bias": {"42": 5},
     "logprobs": 2,
     "top_logprobs": 3,
     "response_format": {"type": "json_object"},
@@ -169,3 +168,33 @@ def test_tokenize_and_detokenize(server):
     ]:
         r = httpx.post(server.url + path, json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    s = tiny_server()
+    yield s
+    s.stop()
+
+
+def test_penalties_and_logit_bias_change_what_the_model_says(tiny):
+    """A real model (the tiny random one) through the official client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=tiny.url + "/v1", api_key="x", max_retries=0)
+
+    def text(**extra) -> str:
+        comp = client.completions.create(model="m", prompt="a b a b a b", max_tokens=24, temperature=0, **extra)
+        return comp.choices[0].text
+
+    def detokenize(ids: list[int]) -> str:
+        return httpx.post(tiny.url + "/detokenize", json={"tokens": ids}, timeout=10).json()["prompt"]
+
+    plain = text()
+    assert text(logit_bias={"42": 100}) == detokenize([42] * 24)  # every token the biased one
+    assert text(frequency_penalty=2.0, presence_penalty=2.0) != plain
+    assert text(extra_body={"repetition_penalty": 3.0}) != plain
+    bad = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "logit_bias": {"999999": 1}}, timeout=10)
+    assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
+    bad = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "presence_penalty": 3}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "presence_penalty"

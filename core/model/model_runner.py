@@ -13,7 +13,7 @@ import torch
 
 from core.model.llama import LlamaModel
 from core.model.loader import LoadedModel
-from core.model.sampler import sample
+from core.model.sampler import Sampler
 from core.sched.batch import Batch
 from kernels import Linear, backend, build_attention_meta
 
@@ -67,6 +67,7 @@ class ModelRunner:
         self.eos_token_ids = loaded.tokenizer.eos_token_ids
         self.vocab_size = c.vocab_size
         self.model = LlamaModel(c, loaded.weights, dtype, device, loaded.quantized)
+        self.sampler = Sampler(c.vocab_size, device)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -101,4 +102,4 @@ class ModelRunner:
         )
         if not sampled:
             return []
-        return sample(logits, [r.sampling for r in sampled], [r.num_output_tokens for r in sampled])
+        return self.sampler(logits, sampled)

@@ -80,6 +80,8 @@ def check_request(num_prompt_tokens: int, sampling: SamplingParams, max_model_le
     sampling.validate()
     if sampling.top_k > vocab_size:
         raise RequestRejected("invalid_request", f"top_k must be at most the vocabulary size ({vocab_size})")
+    if any(not 0 <= token < vocab_size for token, _ in sampling.logit_bias):
+        raise RequestRejected("invalid_request", f"logit_bias keys must be token ids in [0, {vocab_size})")
     if num_prompt_tokens < 1:
         raise RequestRejected("invalid_request", "prompt is empty")
     if num_prompt_tokens >= max_model_len:

@@ -43,6 +43,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's penalties on the tokens generated so far: subtract presence once
+    # per token seen, frequency once per occurrence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (and HF's): logits of tokens in the prompt or the output are
+    # divided by it when positive, multiplied when negative
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+
+    @property
+    def uses_history(self) -> bool:
+        """Does sampling need the tokens this request has seen (penalties)?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -54,6 +68,15 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError("top_k must be an integer >= 0 (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError("min_p must be in [0, 1]")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
 
 @dataclass(slots=True)
