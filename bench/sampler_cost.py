@@ -3,10 +3,15 @@ vs off, on the real vocabulary size (49,152).
 
     .venv/bin/python -m bench.sampler_cost [--repeats 5] [--batch 64] [--threads 1]
 
-Configurations, interleaved within each repeat: greedy; temperature + top-p;
-everything on (presence, frequency and repetition penalties, an 8-entry
-logit_bias, min-p, top-k, top-p, temperature) with each request holding a
-512-token prompt and 256 generated tokens. "Everything on" is measured in
+Two kinds of logits: the embedded model's own (its next-token logits after
+64 prefixes of an English paragraph) and a flat stress case (Gaussian, sd
+4, where top-p 0.95 needs over a thousand tokens). Configurations,
+interleaved within each repeat: greedy; temperature + top-p, with every
+row's whole vocabulary sorted (the sampler before candidate lists) and as
+the sampler does it now; everything
+on (presence, frequency and repetition penalties, an 8-entry logit_bias,
+min-p, top-k, top-p, temperature) with each request holding a 512-token
+prompt and 256 generated tokens. "Everything on" is measured in
 steady state (each request's token-count row already built, advanced by one
 token per iteration, as in serving); building a row (once per request) is
 reported apart. Medians over repeats of the median of 30 iterations.
@@ -25,14 +30,17 @@ from collections.abc import Callable
 import torch
 
 from bench.record import dated, describe, machine
+from core.model import sampler as sampling
 from core.model.sampler import Sampler
 from core.sched.request import Request, SamplingParams
 
 VOCAB = 49152
+CANDIDATES = sampling.CANDIDATES
 ITERATIONS = 30
 
 CONFIGS: dict[str, SamplingParams] = {
     "greedy": SamplingParams(),
+    "temperature + top_p, whole-vocabulary sort": SamplingParams(temperature=0.8, top_p=0.95),
     "temperature + top_p": SamplingParams(temperature=0.8, top_p=0.95),
     "everything on": SamplingParams(
         temperature=0.8,
@@ -56,6 +64,39 @@ def requests(batch: int, params: SamplingParams, tag: str) -> list[Request]:
         r.output_token_ids = ids[512:]
         reqs.append(r)
     return reqs
+
+
+PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades of salt and wind. "
+    "Every evening the keeper climbed the narrow spiral stairs, lit the great lamp, and watched the ships pass "
+    "far below. Some nights the fog rolled in so thick that the beam seemed to stop a few yards from the glass, "
+    "and he would sound the horn until morning, listening for an answer from the sea."
+)
+
+
+def model_logits(batch: int) -> torch.Tensor:
+    """The embedded model's next-token logits after `batch` prefixes of PARAGRAPH."""
+    from core.build import ModelSettings, build_engine
+    from core.sched.config import SchedulerConfig
+    from core.sched.request import Request
+
+    engine, runner = build_engine(ModelSettings(threads=torch.get_num_threads()), SchedulerConfig())
+    ids = runner.tokenizer.encode(PARAGRAPH)
+    lengths = [max(2, len(ids) * (i + 1) // batch) for i in range(batch)]
+    captured: list[torch.Tensor] = []
+    forward = runner.model.forward
+
+    def spy(*args: object) -> torch.Tensor:
+        out = forward(*args)
+        captured.append(out.float().clone())
+        return out
+
+    runner.model.forward = spy
+    for i, n in enumerate(lengths):
+        engine.add_request(Request(f"p{i}", ids[:n], SamplingParams(max_tokens=1), time.perf_counter_ns()))
+        while engine.has_work:
+            engine.step()
+    return torch.cat(captured)[:batch]
 
 
 def per_iteration_ms(sampler: Sampler, reqs: list[Request], logits: torch.Tensor) -> float:
@@ -84,23 +125,26 @@ def main() -> None:
     ap.add_argument("--out", default="sampler_cost")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    logits = torch.randn(args.batch, VOCAB) * 4
-    raw: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    shapes = {"model": model_logits(args.batch), "flat": torch.randn(args.batch, VOCAB) * 4}
+    raw: dict[str, list[float]] = {f"{shape}/{name}": [] for shape in shapes for name in CONFIGS}
     builds: list[float] = []
     for rep in range(args.repeats):
-        for name, params in CONFIGS.items():
-            sampler = Sampler(VOCAB, torch.device("cpu"))
-            reqs = requests(args.batch, params, f"{rep}-{name}")
-            if params.uses_history:  # build every row once, as the first iteration of each request does
-                builds.append(timed_ms(lambda s=sampler, r=reqs: s.counts.rows(r)) / args.batch)
-            raw[name].append(per_iteration_ms(sampler, reqs, logits))
+        for shape, logits in shapes.items():
+            for name, params in CONFIGS.items():
+                sampler = Sampler(VOCAB, torch.device("cpu"))
+                # the path every random row took before candidates (and still takes when a cut lies beyond them)
+                sampling.CANDIDATES = () if "whole-vocabulary" in name else CANDIDATES
+                reqs = requests(args.batch, params, f"{rep}-{shape}-{name}")
+                if params.uses_history:  # build every row once, as the first iteration of each request does
+                    builds.append(timed_ms(lambda s=sampler, r=reqs: s.counts.rows(r)) / args.batch)
+                raw[f"{shape}/{name}"].append(per_iteration_ms(sampler, reqs, logits))
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
     m = machine()
     summary = {
         name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "runs_ms": v}
         for name, v in raw.items()
     }
-    base_ms = summary["greedy"]["median_ms"]
+
     command = "python -m bench.sampler_cost " + " ".join(sys.argv[1:])
     doc = {
         "command": command.strip(),
@@ -119,12 +163,15 @@ def main() -> None:
         f"`{doc['command']}` on {describe(m)}; {args.threads} torch thread(s). Medians of {args.repeats} "
         f"interleaved repeats (each the median of {ITERATIONS} iterations), [min–max].",
         "",
-        "| sampling | ms per iteration | vs greedy |",
-        "|---|---:|---:|",
+        "| logits | sampling | ms per iteration | vs greedy |",
+        "|---|---|---:|---:|",
     ]
-    for name, s in summary.items():
+    for key, s in summary.items():
+        shape, name = key.split("/", 1)
+        base_ms = summary[f"{shape}/greedy"]["median_ms"]
         lines.append(
-            f"| {name} | {s['median_ms']:.2f} [{s['min_ms']:.2f}–{s['max_ms']:.2f}] | {s['median_ms'] / base_ms:.1f}× |"
+            f"| {shape} | {name} | {s['median_ms']:.2f} [{s['min_ms']:.2f}–{s['max_ms']:.2f}] "
+            f"| {s['median_ms'] / base_ms:.1f}× |"
         )
     lines += [
         "",
@@ -132,7 +179,9 @@ def main() -> None:
         f"{doc['row_build_ms_per_request']:.3f} ms.",
         "",
         "Everything on = presence, frequency and repetition penalties, an 8-entry logit_bias, min-p 0.05, "
-        "top-k 50, top-p 0.95, temperature 0.8, in steady state (rows built, one scatter per iteration).",
+        "top-k 50, top-p 0.95, temperature 0.8, in steady state (rows built, one scatter per iteration). "
+        "Logits: model = the embedded SmolLM2's after 64 prefixes of an English paragraph; "
+        "flat = Gaussian, sd 4 (top-p 0.95 then needs over a thousand tokens).",
     ]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

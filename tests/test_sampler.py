@@ -1,5 +1,6 @@
 """Vectorized sampling."""
 
+import pytest
 import torch
 
 from core.model.sampler import sample
@@ -139,3 +140,42 @@ def test_min_p_drops_unlikely_tokens():
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]]).repeat(400, 1)
     draws = sample(logits, [SamplingParams(temperature=1.0, min_p=0.5)] * 400, [0] * 400)
     assert set(draws) == {0, 1}  # p(2)/p(0) = e^-3 < 0.5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(top_p=0.9),
+        dict(top_k=5),
+        dict(min_p=0.2),
+        dict(top_p=0.8, top_k=12, min_p=0.05),
+        dict(top_p=0.999),  # the cut lies beyond the candidates: the whole vocabulary is sorted
+        dict(top_k=40),  # more than the candidates
+        dict(),  # no cut at all
+    ],
+)
+def test_drawing_among_candidates_matches_the_whole_vocabulary(monkeypatch, params):
+    """Small candidate lists force both paths; each must draw from the same distribution."""
+    import core.model.sampler as sampler
+
+    torch.manual_seed(1)
+    vocab, draws = 64, 20000
+    logits = (torch.randn(vocab) * 1.5).repeat(draws, 1)
+    p = [SamplingParams(temperature=1.0, **params)] * draws
+    monkeypatch.setattr(sampler, "CANDIDATES", (4, 16))
+    fast = torch.bincount(torch.tensor(sample(logits, p, [0] * draws)), minlength=vocab).float() / draws
+    whole = sampler._draw_whole_vocabulary(logits.clone(), p, [0] * draws)
+    slow = torch.bincount(whole, minlength=vocab).float() / draws
+    assert (fast - slow).abs().sum() / 2 < 0.05  # total variation distance (sampling noise: ~0.03)
+
+
+def test_cuts_inside_the_candidates_never_sort_the_whole_vocabulary(monkeypatch):
+    import core.model.sampler as sampler
+
+    def whole(*args):
+        raise AssertionError("sorted the whole vocabulary")
+
+    monkeypatch.setattr(sampler, "_draw_whole_vocabulary", whole)
+    logits = torch.randn(8, 50_000) * 4
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=50)] * 4
+    assert len(sample(logits, params, [0] * 8)) == 8

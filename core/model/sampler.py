@@ -73,40 +73,102 @@ def penalize(
     logits[which] = x
 
 
+# Random rows draw among the most likely tokens only, when the top-k, min-p
+# and top-p cuts fall inside them (checked per row: 64 candidates, then 1,024
+# for the rows that need more, then the whole vocabulary sorted for the rest).
+# A partial top-k replaces a full sort, which cost 50-60x a greedy step at
+# batch 64 (bench/results/sampler_cost-2026-12-01.md).
+CANDIDATES = (64, 1024)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """logits: [rows, vocab] float32; steps: tokens each request has generated so far."""
     faults.point("sample")
-    greedy_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not random_rows:
-        return greedy_ids.tolist()
-    rows = torch.tensor(random_rows, device=logits.device)
-    x = logits[rows] / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
-    min_p = [params[i].min_p for i in random_rows]
+        return logits.argmax(dim=-1).tolist()
+    dev = logits.device
+    chosen = [params[i] for i in random_rows]
+    chosen_steps = [steps[i] for i in random_rows]
+    temperature = torch.tensor([p.temperature for p in chosen], device=dev)[:, None]
+    every_row = len(random_rows) == len(params)  # then no row copies: these are 64 x 49,152 floats
+    x = (logits if every_row else logits[torch.tensor(random_rows, device=dev)]) / temperature
+    probs = x.softmax(dim=-1)
+    picked = torch.empty(len(random_rows), dtype=torch.long, device=dev)
+    left = torch.arange(len(random_rows), device=dev)  # rows not drawn yet
+
+    def of(rows: torch.Tensor) -> tuple[list[SamplingParams], list[int]]:
+        return [chosen[j] for j in rows.tolist()], [chosen_steps[j] for j in rows.tolist()]
+
+    for k in CANDIDATES:
+        tokens, exact = _draw_from_candidates(probs if len(left) == len(probs) else probs[left], *of(left), k)
+        picked[left[exact]] = tokens[exact]
+        left = left[~exact]
+        if len(left) == 0:
+            break
+    else:
+        picked[left] = _draw_whole_vocabulary(x[left], *of(left))
+    if every_row:
+        return picked.tolist()
+    tokens_out = logits.argmax(dim=-1)
+    tokens_out[torch.tensor(random_rows, device=dev)] = picked
+    return tokens_out.tolist()
+
+
+def _draw_from_candidates(
+    probs: torch.Tensor, params: list[SamplingParams], steps: list[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw each row among its k most likely tokens; also which rows' draws are
+    exact (every cut fell inside the k), the others are to be drawn again."""
+    dev = probs.device
+    vocab = probs.shape[-1]
+    k = min(k, vocab)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    cand_p, cand_ids = probs.topk(k, dim=-1)  # most likely first
+    floor = min_p * cand_p[:, :1]
+    passes = (torch.arange(k, device=dev)[None, :] < top_k[:, None]) & (cand_p >= floor)
+    # top-p is relative to what top-k and min-p kept: the candidates', or the whole vocabulary's above the floor
+    kept_p = cand_p * passes
+    mass = kept_p.sum(dim=-1, keepdim=True)
+    wide = top_k > k  # no top-k cut inside the candidates: the vocabulary's mass above the floor
+    if bool(wide.any()):
+        whole = (probs * (probs >= floor)).sum(dim=-1, keepdim=True) if bool(min_p.any()) else torch.ones_like(mass)
+        mass = torch.where(wide[:, None], whole, mass)
+    keep = passes & (kept_p.cumsum(dim=-1) - kept_p < top_p * mass)
+    exact = ((top_k <= k) | (top_k >= vocab)) & (~keep[:, -1] | (k == vocab))
+    noise = _noise(cand_p.shape, params, steps, dev)
+    tokens = cand_ids.gather(1, (cand_p * keep / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    return tokens, exact
+
+
+def _noise(shape: torch.Size, params: list[SamplingParams], steps: list[int], device: torch.device) -> torch.Tensor:
+    """Exp(1) noise per row; a seeded request's row comes from its own (seed, token index) generator."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for j, p in enumerate(params):
+        if p.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(hash((p.seed, steps[j])) & 0x7FFF_FFFF_FFFF_FFFF)
+            noise[j].exponential_(generator=gen)
+    return noise
+
+
+def _draw_whole_vocabulary(x: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
+    """The same cuts over every token (rows whose cut lies beyond the candidates)."""
+    dev = x.device
+    min_p = [p.min_p for p in params]
     if any(min_p):
         probs = x.softmax(dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=x.device)[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev)[:, None]
         x = x.masked_fill(probs < floor, float("-inf"))
-    top_k = [params[i].top_k for i in random_rows]
-    if any(top_k):
-        vocab = x.shape[-1]
-        k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=x.device)
-        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-        x = x.masked_fill(x < kth, float("-inf"))
-    top_p = [params[i].top_p for i in random_rows]
-    if any(p < 1.0 for p in top_p):
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        probs = sorted_x.softmax(dim=-1)
-        # drop a token when the tokens before it already cover top_p
-        drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=x.device)[:, None]
-        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    probs = x.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for j, i in enumerate(random_rows):
-        seed = params[i].seed
-        if seed is not None:
-            gen = torch.Generator(device=logits.device).manual_seed(hash((seed, steps[i])) & 0x7FFF_FFFF_FFFF_FFFF)
-            noise[j].exponential_(generator=gen)
-    chosen = (probs / noise).argmax(dim=-1)
-    greedy_ids[rows] = chosen
-    return greedy_ids.tolist()
+    vocab = x.shape[-1]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    kth = sorted_x.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+    x = x.masked_fill(x < kth, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    sorted_probs = x.gather(1, order).softmax(dim=-1)
+    # drop a token when the tokens before it already cover top_p
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return (x.softmax(dim=-1) / _noise(x.shape, params, steps, dev)).argmax(dim=-1)
