@@ -244,7 +244,7 @@ class EngineClient:
             n = len(o.new_token_ids)
             self._observe(lambda obs: obs.on_tokens(o.request_id, n, emit_ns, gap_ns, o.stalled))
             stream.last_emit_ns = emit_ns
-        if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request):
+        if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
             log.warning("slow_consumer", request_id=o.request_id)
             self.metrics.slow_consumers.inc()
             self._fail(o.request_id, FinishReason.SLOW_CONSUMER)

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from core.model.detokenizer import Detokenizer
+from core.sched.batch import Logprobs
 from core.sched.request import FinishReason, Request
 from gateway.protocol import ProtocolError
 from gateway.streams import Delta, RequestStream
@@ -32,6 +33,7 @@ class Piece:
     emit_ns: int
     finish_reason: str | None = None  # stop | length | cancelled, on the last piece
     request: Request | None = None  # on the last piece
+    logprobs: list[Logprobs] | None = None  # one per token of token_ids, when the request asked
 
 
 class PieceMaker:
@@ -48,6 +50,7 @@ class PieceMaker:
         if delta.finish_reason in WIRE_ERROR:
             raise ProtocolError(*WIRE_ERROR[delta.finish_reason])
         ids = [] if self._stopped else delta.token_ids
+        logprobs = delta.logprobs[: len(ids)] if delta.logprobs is not None else None
         text = self._detok.push(ids) if ids else ""
         if self._detok.stopped and not self._stopped:
             self._stopped = True  # what follows the stop string is not sent
@@ -55,9 +58,9 @@ class PieceMaker:
         if delta.finish_reason is not None:
             text += self._detok.flush()
             reason = WIRE_FINISH[FinishReason.STOP if self._stopped else delta.finish_reason]
-            return Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.request)
+            return Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.request, logprobs)
         if ids or text:
-            return Piece(delta.first_index, text, ids, delta.emit_ns)
+            return Piece(delta.first_index, text, ids, delta.emit_ns, logprobs=logprobs)
         return None
 
 

@@ -17,10 +17,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from core.sched.request import MAX_LOGPROBS
 from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, text_pieces
 from gateway.openai_fields import check_fields
+from gateway.openai_logprobs import LogprobsShape
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
 
 
@@ -71,6 +73,7 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
         if body.get(name) is not None and not isinstance(body[name], str):
             raise ProtocolError("invalid_request", f"{name} must be a string", param=name)
     if chat:
+        body = {**body, "logprobs": _chat_logprobs(body)}
         body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
         defaults: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
     else:
@@ -79,6 +82,19 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
             body = {**body, "prompt": prompt[0]}
         defaults = {"temperature": 1.0, "max_tokens": 16}
     return parse_generate(body, defaults, client.snapshot.config.max_model_len)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs: true`` and ``top_logprobs: k`` as the one alternatives count (None: not asked)."""
+    asked = boolean(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and not asked and top != 0:
+        raise ProtocolError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise ProtocolError(
+            "invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+        )
+    return (top or 0) if asked else None
 
 
 async def completions(request: Request) -> Response:
@@ -105,7 +121,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     model = body.get("model") or client.settings.model_name
     maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
     pieces = text_pieces(stream, maker)
-    shape = _Shape(request_id, model, chat, prompt_tokens)
+    logprobs = LogprobsShape(client.tokenizer.token_bytes, chat) if req.sampling.logprobs is not None else None
+    shape = _Shape(request_id, model, chat, prompt_tokens, logprobs)
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
@@ -119,8 +136,11 @@ async def _handle(request: Request, chat: bool) -> Response:
 class _Shape:
     """Builds OpenAI response objects for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int) -> None:
+    def __init__(
+        self, request_id: str, model: str, chat: bool, prompt_tokens: int, logprobs: LogprobsShape | None
+    ) -> None:
         self.id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
+        self.logprobs = logprobs
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, known at the end
@@ -138,25 +158,31 @@ class _Shape:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def piece_logprobs(self, piece: Piece) -> dict[str, Any] | None:
+        return self.logprobs.piece(piece.token_ids, piece.logprobs) if self.logprobs is not None else None
+
+    def chunk(
+        self, text: str | None, finish: str | None, first: bool = False, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
 
     def whole(self, text: str, finish: str) -> dict[str, Any]:
+        logprobs = self.logprobs.whole if self.logprobs is not None else None
         if self.chat:
             message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
             kind = "text_completion"
         return {
             "id": self.id,
@@ -187,8 +213,9 @@ async def _sse(
             async for piece in pieces:
                 shape.count(piece)
                 finish = _finish(piece) if piece.finish_reason else None
-                if piece.text or finish:
-                    yield b"data: " + orjson.dumps(shape.chunk(piece.text, finish)) + b"\n\n"
+                logprobs = shape.piece_logprobs(piece)
+                if piece.text or finish or logprobs:
+                    yield b"data: " + orjson.dumps(shape.chunk(piece.text, finish, logprobs=logprobs)) + b"\n\n"
                 finished = finish is not None
         except ProtocolError as exc:
             finished = True
@@ -223,6 +250,7 @@ async def _collect(
             async for piece in pieces:
                 parts.append(piece.text)
                 shape.count(piece)
+                shape.piece_logprobs(piece)
                 if piece.finish_reason:
                     result = shape.whole("".join(parts), _finish(piece))
         except ProtocolError as exc:

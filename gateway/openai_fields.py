@@ -74,8 +74,8 @@ CHAT: dict[str, str | NoOp] = {
     **COMMON,
     "messages": IMPLEMENTED,
     "max_completion_tokens": IMPLEMENTED,
-    "logprobs": _null_or(False),
-    "top_logprobs": _null_or(0),
+    "logprobs": IMPLEMENTED,
+    "top_logprobs": IMPLEMENTED,
     "response_format": _text_format,
     "tools": _no_tools,
     "tool_choice": _null_or("none"),
@@ -100,7 +100,7 @@ COMPLETIONS: dict[str, str | NoOp] = {
     "prompt": IMPLEMENTED,
     "best_of": _null_or(1),
     "echo": _null_or(False),
-    "logprobs": _null_or(0),
+    "logprobs": IMPLEMENTED,
     "suffix": _null_or(""),
 }
 

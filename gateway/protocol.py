@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.sched.request import SamplingParams
+from core.sched.request import MAX_LOGPROBS, SamplingParams
 
 ERROR_CODES = (
     "invalid_request",
@@ -181,6 +181,7 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.01, 10.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
     )
     priority = _int(body, "priority", 0, -(2**31), 2**31 - 1) or 0
     return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from core.sched.batch import Logprobs
 from core.sched.request import FinishReason, Request
 
 
@@ -29,6 +30,7 @@ class Delta:
     emit_ns: int  # engine time (perf_counter_ns) the last of these tokens was produced
     finish_reason: FinishReason | None = None
     request: Request | None = None  # on finish: the request's timeline and usage
+    logprobs: list[Logprobs] | None = None  # one per token, when the request asked
 
 
 class RequestStream:
@@ -45,12 +47,17 @@ class RequestStream:
         self.on_put: Callable[[], None] | None = None
 
     def put(
-        self, token_ids: list[int], emit_ns: int, finish_reason: FinishReason | None, request: Request | None
+        self,
+        token_ids: list[int],
+        emit_ns: int,
+        finish_reason: FinishReason | None,
+        request: Request | None,
+        logprobs: list[Logprobs] | None = None,
     ) -> bool:
         """Called on the event loop; never blocks. False: the consumer is hopelessly behind."""
         if self.finished:
             return True  # includes a consumer that has gone (close())
-        ok = self._enqueue(Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request))
+        ok = self._enqueue(Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request, logprobs))
         if self.on_put is not None:
             self.on_put()
         return ok
@@ -67,6 +74,8 @@ class RequestStream:
         else:
             p = self._pending
             p.token_ids = p.token_ids + delta.token_ids
+            if delta.logprobs is not None:
+                p.logprobs = (p.logprobs or []) + delta.logprobs
             p.emit_ns, p.finish_reason, p.request = delta.emit_ns, delta.finish_reason, delta.request
             ok = self.finished or time.perf_counter_ns() - self._pending_since < self._slow_ns
         if self.finished:

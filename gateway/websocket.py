@@ -192,6 +192,11 @@ class Connection:
                 gen.sent_tokens += len(piece.token_ids)
                 out = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
                 out["token_ids"] = piece.token_ids
+                if piece.logprobs is not None:
+                    out["logprobs"] = [
+                        {"token_id": t, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
+                        for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)
+                    ]
                 if gen.timestamps:  # the engine's perf_counter_ns when these tokens were produced
                     out["emit_ns"] = piece.emit_ns
                 await self.send(out)

@@ -107,7 +107,7 @@ BAD_HTTP = [
     (orjson.dumps({"model": "m", "prompt": 5}), "prompt must be a string"),
     (orjson.dumps({"model": "m"}), "exactly one of"),
     (orjson.dumps({"model": "m", "prompt": "x", "n": 2}), "n: 2 is not supported (accepted: null or 1)"),
-    (orjson.dumps({"model": "m", "prompt": "x", "logprobs": 3}), "logprobs"),
+    (orjson.dumps({"model": "m", "prompt": "x", "logprobs": 21}), "logprobs must be an integer in [0, 20]"),
     (orjson.dumps({"model": "m", "prompt": "x", "stop": [1]}), "stop"),
     (orjson.dumps({"model": "m", "prompt": "x " * 9000}), "context limit"),
     (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', "larger than"),

@@ -4,6 +4,8 @@ streaming and not)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -31,6 +33,8 @@ GOOD = {
     "frequency_penalty": -0.5,
     "logit_bias": {"42": 5, "7": -100},
     "ignore_eos": True,
+    "logprobs": 2,  # chat: true (below)
+    "top_logprobs": 2,
     "priority": 1,
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     "messages": [{"role": "user", "content": "Hi"}],
@@ -38,8 +42,6 @@ GOOD = {
 }
 NO_OP = {
     "n": 1,
-    "logprobs": None,
-    "top_logprobs": 0,
     "response_format": {"type": "text"},
     "tools": [],
     "tool_choice": "none",
@@ -63,8 +65,6 @@ NO_OP = {
 }
 REFUSED = {
     "n": 2,
-    "logprobs": 2,
-    "top_logprobs": 3,
     "response_format": {"type": "json_object"},
     "tools": [TOOL],
     "tool_choice": "auto",
@@ -113,9 +113,13 @@ def test_every_field_is_honoured_or_refused_by_name(server, chat, stream):
     other = COMPLETIONS if chat else CHAT
     for name, rule in fields.items():
         value = GOOD.get(name) if rule == IMPLEMENTED else NO_OP[name]
+        if chat and name == "logprobs":
+            value = True
         if name in ("messages", "prompt"):
             continue  # the base of every request
         body = {name: value, "stream": stream}
+        if chat and name == "top_logprobs":
+            body["logprobs"] = True
         r = post(server, chat, body)
         assert r.status_code == 200, (name, value, r.text)
         if rule != IMPLEMENTED:
@@ -198,3 +202,56 @@ def test_penalties_and_logit_bias_change_what_the_model_says(tiny):
     assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
     bad = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "presence_penalty": 3}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "presence_penalty"
+
+
+def test_logprobs_in_openai_shapes_streaming_and_not(tiny):
+    from openai import OpenAI
+    from websockets.sync.client import connect
+
+    client = OpenAI(base_url=tiny.url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Count to five"}]
+    ask = dict(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    text = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert text == whole.choices[0].message.content
+    streamed = [
+        e
+        for chunk in client.chat.completions.create(**ask, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+    comp = client.completions.create(model="m", prompt="one two", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset == sorted(lp.text_offset) and all(len(top) <= 2 for top in lp.top_logprobs)
+    plain = client.completions.create(model="m", prompt="one two", max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == comp.choices[0].text
+
+    with connect(tiny.url.replace("http", "ws") + "/v1/stream") as ws:
+        ws.send('{"type": "generate", "id": "g", "prompt": "one two", "max_tokens": 4, "logprobs": 2}')
+        frames = []
+        while not frames or frames[-1]["type"] not in ("done", "error"):
+            frames.append(json.loads(ws.recv()))
+    tokens = [f for f in frames if f["type"] == "token"]
+    assert sum(len(f["token_ids"]) for f in tokens) == 4
+    for f in tokens:
+        assert [e["token_id"] for e in f["logprobs"]] == f["token_ids"]
+        assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in f["logprobs"])
+
+    for body, param in [
+        ({"messages": messages, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": messages, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": messages, "logprobs": "yes"}, "logprobs"),
+    ]:
+        r = httpx.post(tiny.url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "logprobs": 21}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -9,7 +9,7 @@ import time
 
 from core import faults
 from core.analysis.cost_model import CostModel
-from core.sched.batch import Batch
+from core.sched.batch import Batch, Sampled
 
 
 class VirtualClock:
@@ -67,7 +67,7 @@ class SimRunner:
             ((item.start, item.num_tokens) for item in batch.items if item.is_prefill),
         )
 
-    def execute(self, batch: Batch) -> list[int]:
+    def execute(self, batch: Batch) -> Sampled:
         faults.point("sample")
         bs = self.block_size
         sampled = []
@@ -90,4 +90,4 @@ class SimRunner:
             self.clock.advance(duration_ns)
         else:
             time.sleep(duration_ns / 1e9)
-        return sampled
+        return Sampled(sampled)

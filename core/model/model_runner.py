@@ -14,7 +14,7 @@ import torch
 from core.model.llama import LlamaModel
 from core.model.loader import LoadedModel
 from core.model.sampler import Sampler
-from core.sched.batch import Batch
+from core.sched.batch import Batch, Sampled
 from kernels import Linear, backend, build_attention_meta
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -76,7 +76,7 @@ class ModelRunner:
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.lm_head.compact is not None else 0
         self.load_s = time.perf_counter() - start
 
-    def execute(self, batch: Batch) -> list[int]:
+    def execute(self, batch: Batch) -> Sampled:
         ids: list[int] = []
         tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
         for item in batch.items:
@@ -101,5 +101,5 @@ class ModelRunner:
             torch.tensor(logits_rows, device=dev, dtype=torch.long),
         )
         if not sampled:
-            return []
+            return Sampled([])
         return self.sampler(logits, sampled)

@@ -15,6 +15,7 @@ import torch
 
 from core import faults
 from core.model.token_counts import TokenCounts
+from core.sched.batch import Logprobs, Sampled
 from core.sched.request import Request, SamplingParams
 
 
@@ -25,9 +26,11 @@ class Sampler:
         self.counts = TokenCounts(vocab_size, device)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """logits: [len(requests), vocab] float32, one row per request that samples."""
         params = [r.sampling for r in requests]
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[torch.tensor(asked, device=logits.device)].log_softmax(dim=-1) if asked else None
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:
             bias_logits(logits, [(i, params[i].logit_bias) for i in biased])
@@ -39,7 +42,26 @@ class Sampler:
         tokens = sample(logits, params, [r.num_output_tokens for r in requests])
         if rows is not None:
             self.counts.add(rows, torch.tensor([tokens[i] for i in penalized], device=logits.device))
-        return tokens
+        if raw is None:
+            return Sampled(tokens)
+        return Sampled(tokens, token_logprobs(raw, asked, [tokens[i] for i in asked], params, len(requests)))
+
+
+def token_logprobs(
+    raw: torch.Tensor, asked: list[int], tokens: list[int], params: list[SamplingParams], rows: int
+) -> list[Logprobs | None]:
+    """Each asking row's sampled token's log-probability and its top alternatives
+    (raw: the model's log-softmax for those rows, taken before any change)."""
+    dev = raw.device
+    chosen = raw.gather(1, torch.tensor(tokens, device=dev)[:, None]).squeeze(1).tolist()
+    most = max(params[i].logprobs or 0 for i in asked)
+    top_lp, top_ids = raw.topk(most, dim=-1) if most else (raw[:, :0], raw[:, :0].long())
+    top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+    out: list[Logprobs | None] = [None] * rows
+    for j, i in enumerate(asked):
+        n = params[i].logprobs or 0
+        out[i] = Logprobs(chosen[j], tuple(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True)))
+    return out
 
 
 def bias_logits(logits: torch.Tensor, biases: list[tuple[int, tuple[tuple[int, float], ...]]]) -> None:

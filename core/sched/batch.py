@@ -49,12 +49,31 @@ class Batch:
 
 
 @dataclass(slots=True, frozen=True)
+class Logprobs:
+    """A sampled token's log-probability under the model's own distribution
+    (before temperature, penalties and bias), and the most likely tokens'."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What the runner returns: one token per item that samples, in item order,
+    with its logprobs where the request asked for them."""
+
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None = None  # None: nobody in the batch asked
+
+
+@dataclass(slots=True, frozen=True)
 class NewToken:
     """A token an iteration produced for a request (``Scheduler.update``)."""
 
     request: Request
     token: int
     stalled: bool  # the gap before it was stalled: another request's prefill ran in it
+    logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)

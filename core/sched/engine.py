@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from core.sched.batch import Batch, IterationRecord, NewToken
+from core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.request import FinishReason, Request, SamplingParams
@@ -41,6 +41,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     request: Request | None = None  # set once finished: the engine no longer touches it
     stalled: bool = False  # the gap before this token was stalled: another request's prefill ran in it
+    logprobs: list[Logprobs] | None = None  # one per new token, when the request asked
 
 
 @dataclass(slots=True, frozen=True)
@@ -210,11 +211,10 @@ class Engine:
     def _collect(self, record: IterationRecord | None, emitted: list[NewToken]) -> StepOutput | None:
         outputs = []
         for new in emitted:
-            req = new.request
-            done = req.finish_reason is not None
-            outputs.append(
-                RequestOutput(req.request_id, [new.token], req.finish_reason, req if done else None, new.stalled)
-            )
+            req, reason = new.request, new.request.finish_reason
+            finished = req if reason is not None else None
+            logprobs = [new.logprobs] if new.logprobs is not None else None
+            outputs.append(RequestOutput(req.request_id, [new.token], reason, finished, new.stalled, logprobs))
         outputs += [RequestOutput(r.request_id, [], r.finish_reason, r) for r in self._unreported]
         self._unreported = []
         if record is None and not outputs:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's limit
+
 
 class RequestStatus(StrEnum):
     WAITING = "waiting"  # queued, or preempted and queued again for recompute
@@ -52,6 +54,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    logprobs: int | None = None  # return each token's log-probability and this many alternatives
 
     @property
     def uses_history(self) -> bool:
@@ -75,6 +78,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be in (0, 10]")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError("min_p must be in [0, 1]")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
 

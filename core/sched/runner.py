@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from core.sched.batch import Batch
+from core.sched.batch import Batch, Sampled
 
 
 class Runner(Protocol):
     eos_token_ids: frozenset[int]
     vocab_size: int  # rows of the logits: the largest meaningful top_k
 
-    def execute(self, batch: Batch) -> list[int]:
+    def execute(self, batch: Batch) -> Sampled:
         """Run the batch; return one token per item that samples, in item order."""
         ...

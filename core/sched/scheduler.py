@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from core import faults
-from core.sched.batch import Batch, Item, NewToken
+from core.sched.batch import Batch, Item, NewToken, Sampled
 from core.sched.block_manager import BlockManager
 from core.sched.config import Chunking, SchedulerConfig
 from core.sched.policy import order_waiting
@@ -269,12 +269,13 @@ class Scheduler:
         batch.preempted.append(req)
 
     # -- update ------------------------------------------------------------
-    def update(self, batch: Batch, sampled: list[int], start_ns: int, end_ns: int) -> list[NewToken]:
+    def update(self, batch: Batch, sampled: Sampled, start_ns: int, end_ns: int) -> list[NewToken]:
         """Advance every request in batch; sampled holds one token per item that
         samples, in item order. Returns the tokens in that order."""
         faults.point("update")
         emitted = []
-        tokens = iter(sampled)
+        tokens = iter(sampled.tokens)
+        logprobs = iter(sampled.logprobs) if sampled.logprobs is not None else None
         chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
         if chunked:
             self._prefill_log.append((batch.iteration, chunked))
@@ -292,7 +293,7 @@ class Scheduler:
                 token = next(tokens)
                 stalled = self._overlapped_prefill(req, batch.iteration)
                 self._append_token(req, token, end_ns, stalled)
-                emitted.append(NewToken(req, token, stalled))
+                emitted.append(NewToken(req, token, stalled, next(logprobs) if logprobs is not None else None))
         return emitted
 
     def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
