@@ -30,6 +30,7 @@ from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
 from gateway.streams import RequestStream
 from gateway.telemetry import Telemetry
+from gateway.tools import template_messages
 from gateway.tracing import Tracing
 
 log = structlog.get_logger(__name__)
@@ -114,8 +115,12 @@ class EngineClient:
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
+            tok, tools = self.tokenizer, req.tools
+            listing = (
+                [{"type": "function", "function": f} for f in tools.functions] if tools and tok.takes_tools else None
+            )
             try:
-                text = self.tokenizer.render_chat(req.messages)
+                text = tok.render_chat(template_messages(req.messages, tools, tok.takes_tools), tools=listing)
             except Exception as exc:  # a template error is the caller's input problem
                 raise ProtocolError("invalid_request", f"chat template failed: {exc}") from None
         else:

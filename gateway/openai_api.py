@@ -24,6 +24,8 @@ from gateway.generation import Piece, PieceMaker, text_pieces
 from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
+from gateway.tools import ToolCall, Tools, may_start_call, parse_tools, read_calls
+from gateway.tools import grammar as tool_grammar
 
 
 def error_response(code: str, message: str, retry_after_s: int = 0, param: str | None = None) -> JSONResponse:
@@ -72,7 +74,9 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise ProtocolError("invalid_request", f"{name} must be a string", param=name)
+    tools, tool_grammar = None, None
     if chat:
+        tools, tool_grammar = _tools(body)
         body = {**body, "logprobs": _chat_logprobs(body)}
         body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
         defaults: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
@@ -81,7 +85,25 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             body = {**body, "prompt": prompt[0]}
         defaults = {"temperature": 1.0, "max_tokens": 16}
-    return parse_generate(body, defaults, client.snapshot.config.max_model_len)
+    req = parse_generate(body, defaults, client.snapshot.config.max_model_len)
+    req.tools = tools
+    if tool_grammar is not None:
+        if req.sampling.grammar is not None:
+            raise ProtocolError(
+                "invalid_request", "tool_choice: a forced call and a response_format", param="tool_choice"
+            )
+        req.sampling.grammar = tool_grammar
+    return req
+
+
+def _tools(body: dict[str, Any]) -> tuple[Tools | None, str | None]:
+    """The offered tools and, for a required or named call, the grammar that forces it."""
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+        return tools, (tool_grammar(tools) if tools is not None else None)
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0]
+        raise ProtocolError("invalid_request", str(exc), param=field) from None
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -122,7 +144,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
     pieces = text_pieces(stream, maker)
     logprobs = LogprobsShape(client.tokenizer.token_bytes, chat) if req.sampling.logprobs is not None else None
-    shape = _Shape(request_id, model, chat, prompt_tokens, logprobs)
+    shape = _Shape(request_id, model, chat, prompt_tokens, logprobs, req.tools)
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
@@ -137,10 +159,17 @@ class _Shape:
     """Builds OpenAI response objects for one request."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, prompt_tokens: int, logprobs: LogprobsShape | None
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        prompt_tokens: int,
+        logprobs: LogprobsShape | None,
+        tools: Tools | None = None,
     ) -> None:
         self.id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
         self.logprobs = logprobs
+        self.tools = tools
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, known at the end
@@ -175,10 +204,35 @@ class _Shape:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
 
+    def call_json(self, i: int, call: ToolCall) -> dict[str, Any]:
+        return {
+            "id": f"call_{self.id}_{i}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+
+    def call_chunks(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """Each call as OpenAI streams it: id and name first, then its arguments."""
+        chunks = []
+        for i, call in enumerate(calls):
+            head = {**self.call_json(i, call), "index": i}
+            head["function"] = {"name": call.name, "arguments": ""}
+            for part in (head, {"index": i, "function": {"arguments": call.arguments}}):
+                chunk = self.chunk(None, None)
+                chunk["choices"][0]["delta"] = {"tool_calls": [part]}
+                chunks.append(chunk)
+        return chunks
+
     def whole(self, text: str, finish: str) -> dict[str, Any]:
         logprobs = self.logprobs.whole if self.logprobs is not None else None
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                text, calls = read_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": text or None}
+                    message["tool_calls"] = [self.call_json(i, c) for i, c in enumerate(calls)]
+                    finish = "tool_calls"
             choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion"
         else:
@@ -192,6 +246,31 @@ class _Shape:
             "choices": [choice],
             "usage": self.usage(),
         }
+
+
+class _HeldText:
+    """A chat reply's text held back while it may still be a tool call (all of
+    it when a call is forced), so a call is never streamed as content."""
+
+    def __init__(self, tools: Tools | None) -> None:
+        self.tools = tools
+        self.text = ""
+        self.holding = tools is not None
+
+    def feed(self, text: str) -> str:
+        """What may be streamed now."""
+        if not self.holding or self.tools is None:
+            return text
+        self.text += text
+        if self.tools.forced or may_start_call(self.text):
+            return ""
+        self.holding = False
+        text, self.text = self.text, ""
+        return text
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self.text = self.text, ""
+        return read_calls(text)
 
 
 def _finish(piece: Piece) -> str:
@@ -209,13 +288,23 @@ async def _sse(
     try:
         if shape.chat:
             yield b"data: " + orjson.dumps(shape.chunk("", None, first=True)) + b"\n\n"
+        held = _HeldText(shape.tools)
         try:
             async for piece in pieces:
                 shape.count(piece)
                 finish = _finish(piece) if piece.finish_reason else None
                 logprobs = shape.piece_logprobs(piece)
-                if piece.text or finish or logprobs:
-                    yield b"data: " + orjson.dumps(shape.chunk(piece.text, finish, logprobs=logprobs)) + b"\n\n"
+                text = held.feed(piece.text)
+                if finish is not None and held.text:
+                    text, calls = held.finish()
+                    if calls:
+                        if text:
+                            yield b"data: " + orjson.dumps(shape.chunk(text, None)) + b"\n\n"
+                        for chunk in shape.call_chunks(calls):
+                            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                        text, finish = "", "tool_calls"
+                if text or finish or logprobs:
+                    yield b"data: " + orjson.dumps(shape.chunk(text, finish, logprobs=logprobs)) + b"\n\n"
                 finished = finish is not None
         except ProtocolError as exc:
             finished = True

@@ -42,7 +42,6 @@ def _null_or(*defaults: Any) -> NoOp:
 _null = NoOp(lambda value: value is None, "null")
 _string = NoOp(lambda value: value is None or isinstance(value, str), "a string")
 _text_only = NoOp(lambda value: value is None or value == ["text"], '["text"]')
-_text_format = NoOp(lambda value: value is None or value == {"type": "text"}, '{"type": "text"}')
 _no_tools = NoOp(lambda value: value is None or value == [], "null or []")
 
 
@@ -76,9 +75,9 @@ CHAT: dict[str, str | NoOp] = {
     "max_completion_tokens": IMPLEMENTED,
     "logprobs": IMPLEMENTED,
     "top_logprobs": IMPLEMENTED,
-    "response_format": _text_format,
-    "tools": _no_tools,
-    "tool_choice": _null_or("none"),
+    "response_format": IMPLEMENTED,
+    "tools": IMPLEMENTED,
+    "tool_choice": IMPLEMENTED,
     "parallel_tool_calls": NoOp(lambda value: value is None or isinstance(value, bool), "true or false"),
     "functions": _no_tools,
     "function_call": _null_or("none"),
@@ -102,6 +101,7 @@ COMPLETIONS: dict[str, str | NoOp] = {
     "echo": _null_or(False),
     "logprobs": IMPLEMENTED,
     "suffix": _null_or(""),
+    "response_format": IMPLEMENTED,  # an extension here, as in vLLM
 }
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.sched.request import MAX_LOGPROBS, SamplingParams
+from gateway.structured import grammar_of
+from gateway.tools import Tools
 
 ERROR_CODES = (
     "invalid_request",
@@ -49,13 +51,14 @@ class ProtocolError(Exception):
 
 @dataclass(slots=True)
 class GenerateRequest:
-    messages: list[dict[str, str]] | None  # chat: rendered with the model's template
+    messages: list[dict[str, Any]] | None  # chat: rendered with the model's template
     prompt: str | None  # raw text
     sampling: SamplingParams
     max_tokens_given: bool  # False: fill the rest of the context
     priority: int = 0
     traceparent: str | None = None
     tenant: str = ""  # the API key's id (gateway.auth.tenant_of); "" without keys
+    tools: Tools | None = None  # chat: functions the model may (or must) call
 
 
 def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
@@ -128,7 +131,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def messages_field(value: Any) -> list[dict[str, str]]:
+def messages_field(value: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages, text only, as role/content dicts."""
     if not isinstance(value, list) or not value:
         raise ProtocolError("invalid_request", "messages must be a non-empty list", param="messages")
@@ -143,10 +146,26 @@ def messages_field(value: Any) -> list[dict[str, str]]:
             ):
                 raise ProtocolError("invalid_request", "only text content parts are supported", param="messages")
             content = "".join(p["text"] for p in content)
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None and (not isinstance(calls, list) or not all(_is_call(c) for c in calls)):
+            why = 'tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]'
+            raise ProtocolError("invalid_request", why, param="messages")
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ProtocolError("invalid_request", "message content must be a string", param="messages")
-        out.append({"role": m["role"], "content": content})
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _is_call(call: Any) -> bool:
+    fn = call.get("function") if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
 
 
 def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len: int) -> GenerateRequest:
@@ -182,9 +201,17 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
         logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
+        grammar=_grammar(body.get("response_format")),
     )
     priority = _int(body, "priority", 0, -(2**31), 2**31 - 1) or 0
     return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
+
+
+def _grammar(response_format: Any) -> str | None:
+    try:
+        return grammar_of(response_format)
+    except ValueError as exc:
+        raise ProtocolError("invalid_request", f"response_format: {exc}", param="response_format") from None
 
 
 def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:

@@ -33,6 +33,9 @@ GOOD = {
     "frequency_penalty": -0.5,
     "logit_bias": {"42": 5, "7": -100},
     "ignore_eos": True,
+    "response_format": {"type": "json_object"},
+    "tools": [TOOL],
+    "tool_choice": "auto",
     "logprobs": 2,  # chat: true (below)
     "top_logprobs": 2,
     "priority": 1,
@@ -42,9 +45,6 @@ GOOD = {
 }
 NO_OP = {
     "n": 1,
-    "response_format": {"type": "text"},
-    "tools": [],
-    "tool_choice": "none",
     "parallel_tool_calls": True,
     "functions": None,
     "function_call": "none",
@@ -65,9 +65,6 @@ NO_OP = {
 }
 REFUSED = {
     "n": 2,
-    "response_format": {"type": "json_object"},
-    "tools": [TOOL],
-    "tool_choice": "auto",
     "parallel_tool_calls": "yes",
     "functions": [TOOL["function"]],
     "function_call": "auto",

@@ -67,7 +67,7 @@ class ModelRunner:
         self.eos_token_ids = loaded.tokenizer.eos_token_ids
         self.vocab_size = c.vocab_size
         self.model = LlamaModel(c, loaded.weights, dtype, device, loaded.quantized)
-        self.sampler = Sampler(c.vocab_size, device)
+        self.sampler = Sampler(c.vocab_size, device, loaded.tokenizer)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)

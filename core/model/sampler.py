@@ -14,16 +14,20 @@ from __future__ import annotations
 import torch
 
 from core import faults
+from core.model.grammar import Grammars
 from core.model.token_counts import TokenCounts
+from core.model.tokenizer import Tokenizer
 from core.sched.batch import Logprobs, Sampled
 from core.sched.request import Request, SamplingParams
 
 
 class Sampler:
-    """The model runner's sampler: keeps the token counts the penalties read."""
+    """The model runner's sampler: keeps the token counts the penalties read
+    and the grammar matchers of constrained requests."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, tokenizer: Tokenizer | None = None) -> None:
         self.counts = TokenCounts(vocab_size, device)
+        self.grammars = Grammars(tokenizer, vocab_size) if tokenizer is not None else None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
@@ -39,7 +43,14 @@ class Sampler:
         if penalized:
             rows = self.counts.rows([requests[i] for i in penalized])
             penalize(logits, torch.tensor(penalized, device=logits.device), rows, self.counts, params)
+        constrained = [i for i, p in enumerate(params) if p.grammar is not None]
+        if constrained:
+            if self.grammars is None:
+                raise ValueError("this sampler has no tokenizer for grammars")
+            self.grammars.mask(logits, constrained, requests)
         tokens = sample(logits, params, [r.num_output_tokens for r in requests])
+        if constrained and self.grammars is not None:
+            self.grammars.advance(constrained, requests, tokens)
         if rows is not None:
             self.counts.add(rows, torch.tensor([tokens[i] for i in penalized], device=logits.device))
         if raw is None:

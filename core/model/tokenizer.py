@@ -83,7 +83,17 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Does the chat template render a ``tools`` list itself (Qwen2, Llama 3)?"""
+        return bool(self.chat_template) and "tools" in (self.chat_template or "")
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text for a conversation, by the model's own chat template."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a raw prompt instead")
@@ -92,6 +102,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=tools,
         )
 
     def to_hf_json(self) -> str:

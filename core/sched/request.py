@@ -55,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     logprobs: int | None = None  # return each token's log-probability and this many alternatives
+    grammar: str | None = None  # llguidance grammar the output must follow (response_format)
 
     @property
     def uses_history(self) -> bool:

@@ -1,0 +1,175 @@
+"""Tool calling for chat completions: ``tools`` and ``tool_choice``.
+
+The model is told about the tools by its own chat template when the
+template takes ``tools`` (Qwen2, Llama 3); otherwise (SmolLM2's plain
+ChatML) by a system section in the Hermes format those models were tuned
+on. Either way a call is written as::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``tool_choice``: ``none`` (tools not offered), ``auto`` (the model decides;
+calls are read from its text), ``required`` or a named function (the output
+is constrained by an llguidance grammar to a call whose arguments follow the
+function's JSON Schema, so even a small model returns valid arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
+MAX_TOOLS = 128
+
+
+@dataclass(slots=True)
+class Tools:
+    functions: list[dict[str, Any]]  # OpenAI's {"name", "description", "parameters"}
+    choice: str  # auto | required | the name of the function that must be called
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+
+def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
+    """The request's tools, or None when none are offered. Raises ValueError naming the field."""
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: needs tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools: a list of at most {MAX_TOOLS} functions")
+    functions = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError('tools: each is {"type": "function", "function": {"name", "description", "parameters"}}')
+        parameters = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools: parameters of {fn['name']} must be a JSON Schema object")
+        functions.append(
+            {"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": parameters}
+        )
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ValueError("tools: function names must be unique")
+    if tool_choice in (None, "auto"):
+        return Tools(functions, "auto")
+    if tool_choice == "none":
+        return None
+    if tool_choice == "required":
+        return Tools(functions, "required")
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str) or name not in names:
+        raise ValueError('tool_choice: none, auto, required or {"type": "function", "function": {"name": <a tool>}}')
+    return Tools(functions, name)
+
+
+def grammar(tools: Tools) -> str | None:
+    """For required or named calls: exactly one call of an allowed function with valid arguments."""
+    if not tools.forced:
+        return None
+    allowed = [f for f in tools.functions if tools.choice in ("required", f["name"])]
+    shapes = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in allowed
+    ]
+    schema: dict[str, Any] = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+    schema["x-guidance"] = {"whitespace_flexible": False}  # compact: a small model may pad forever
+    lark = f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json {json.dumps(schema)}\n'
+    text = llguidance.LLMatcher.grammar_from_lark(lark)
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise ValueError(f"tools: a parameters schema cannot be enforced: {error}")
+    return text
+
+
+def system_section(tools: Tools) -> str:
+    """The Hermes-format tool list, for chat templates that do not take ``tools``."""
+    listing = "\n".join(json.dumps({"type": "function", "function": f}) for f in tools.functions)
+    shape = '{"name": <function-name>, "arguments": <args-json-object>}'
+    return (
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listing}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n{shape}\n{CALL_CLOSE}"
+    )
+
+
+def template_messages(
+    messages: list[dict[str, Any]], tools: Tools | None, template_takes_tools: bool
+) -> list[dict[str, Any]]:
+    """Messages as a template without tool support can render them: earlier calls
+    as ``<tool_call>`` text, tool results as ``<tool_response>`` user turns, the
+    tool list in the system message."""
+    if template_takes_tools:
+        return messages
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "".join(f"{CALL_OPEN}\n{json.dumps(_call_json(c))}\n{CALL_CLOSE}" for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m.get("content") or "") + calls})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools is not None:
+        section = system_section(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function", {})
+    arguments = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        parsed = arguments
+    return {"name": fn.get("name"), "arguments": parsed}
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+def read_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """Split a reply into its text and the calls it makes (``<tool_call>`` blocks
+    holding a JSON object with a string name); malformed blocks stay text."""
+    calls = []
+    for match in _CALL.finditer(text):
+        try:
+            obj = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            arguments = obj.get("arguments", obj.get("parameters", {}))
+            calls.append(ToolCall(obj["name"], json.dumps(arguments, separators=(",", ":"))))
+    if not calls:
+        return text, []
+    return _CALL.sub("", text).strip(), calls
+
+
+def may_start_call(text: str) -> bool:
+    """Could a reply that begins with this text still turn out to be a tool call?"""
+    head = text.lstrip()
+    return CALL_OPEN.startswith(head) or head.startswith(CALL_OPEN)

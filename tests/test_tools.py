@@ -1,0 +1,135 @@
+"""Tool calling: tools and tool_choice, forced calls by grammar, streamed deltas."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from gateway.tools import Tools, may_start_call, read_calls, template_messages
+from tests.server import tiny_server
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    s = tiny_server()
+    yield s
+    s.stop()
+
+
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_has_valid_arguments_even_from_a_random_model(tiny, choice):
+    for seed in range(3):
+        reply = client(tiny).chat.completions.create(
+            model="m",
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            max_tokens=80,
+            seed=seed,
+            temperature=1.0,
+        )
+        c = reply.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        call = c.message.tool_calls[0]
+        assert call.type == "function" and call.id
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 20
+        else:
+            assert choice == "required" and call.function.name == "get_time"
+
+
+def test_streamed_call_deltas_reassemble_to_the_same_call(tiny):
+    ask = dict(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0)
+    whole = client(tiny).chat.completions.create(**ask).choices[0].message.tool_calls[0]
+    name, arguments, ids, finish = "", "", set(), None
+    for chunk in client(tiny).chat.completions.create(**ask, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        assert not delta.content  # a call is never streamed as text
+        for part in delta.tool_calls or []:
+            assert part.index == 0
+            ids.add(part.id) if part.id else None
+            name += part.function.name or ""
+            arguments += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(ids) == 1
+    assert (name, json.loads(arguments)) == (whole.function.name, json.loads(whole.function.arguments))
+
+
+def test_tool_results_go_back_to_the_model(tiny):
+    """An assistant turn with tool_calls and the tool's answer render and run."""
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
+    ]
+    reply = client(tiny).chat.completions.create(model="m", messages=history, tools=[WEATHER], max_tokens=5)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_bad_tools_are_refused_by_name(tiny):
+    cases = [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ]
+    for extra, param in cases:
+        r = httpx.post(tiny.url + "/v1/chat/completions", json={"messages": MESSAGES, **extra}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_reading_calls_from_text():
+    text = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert read_calls(text)[0] == "Sure."
+    assert [(c.name, c.arguments) for c in read_calls(text)[1]] == [("get_time", "{}")]
+    assert read_calls("<tool_call>not json</tool_call>")[1] == []
+    assert read_calls("plain answer") == ("plain answer", [])
+    assert may_start_call("  <tool") and may_start_call("<tool_call>{") and not may_start_call("The")
+
+
+def test_templates_without_tools_get_the_hermes_system_section():
+    tools = Tools([WEATHER["function"]], "auto")
+    out = template_messages(MESSAGES, tools, template_takes_tools=False)
+    assert out[0]["role"] == "system" and "get_weather" in out[0]["content"] and "<tool_call>" in out[0]["content"]
+    assert template_messages(MESSAGES, tools, template_takes_tools=True) == MESSAGES
