@@ -8,7 +8,8 @@ Two kinds of logits: the embedded model's own (its next-token logits after
 4, where top-p 0.95 needs over a thousand tokens). Configurations,
 interleaved within each repeat: greedy; temperature + top-p, with every
 row's whole vocabulary sorted (the sampler before candidate lists) and as
-the sampler does it now; everything
+the sampler does it now; json_object by grammar (each row's llguidance mask,
+filled and applied per iteration, the document growing); everything
 on (presence, frequency and repetition penalties, an 8-entry logit_bias,
 min-p, top-k, top-p, temperature) with each request holding a 512-token
 prompt and 256 generated tokens. "Everything on" is measured in
@@ -28,10 +29,12 @@ import time
 from collections.abc import Callable
 
 import torch
+from llguidance import LLMatcher
 
 from bench.record import dated, describe, machine
 from core.model import sampler as sampling
 from core.model.sampler import Sampler
+from core.model.tokenizer import Tokenizer
 from core.sched.request import Request, SamplingParams
 
 VOCAB = 49152
@@ -52,6 +55,10 @@ CONFIGS: dict[str, SamplingParams] = {
         repetition_penalty=1.1,
         logit_bias=tuple((t, 2.0) for t in range(100, 108)),
     ),
+    # response_format json_object: every row's next-token mask from its llguidance matcher
+    "json_object grammar": SamplingParams(
+        temperature=0.8, top_p=0.95, grammar=LLMatcher.grammar_from_json_schema({"type": "object"})
+    ),
 }
 
 
@@ -61,7 +68,7 @@ def requests(batch: int, params: SamplingParams, tag: str) -> list[Request]:
     for i in range(batch):
         ids = torch.randint(0, VOCAB, (768,), generator=g).tolist()
         r = Request(f"{tag}-{i}", ids[:512], params, 0)
-        r.output_token_ids = ids[512:]
+        r.output_token_ids = [] if params.grammar else ids[512:]  # a grammar's output starts empty
         reqs.append(r)
     return reqs
 
@@ -74,7 +81,7 @@ PARAGRAPH = (
 )
 
 
-def model_logits(batch: int) -> torch.Tensor:
+def model_logits(batch: int) -> tuple[torch.Tensor, Tokenizer]:
     """The embedded model's next-token logits after `batch` prefixes of PARAGRAPH."""
     from core.build import ModelSettings, build_engine
     from core.sched.config import SchedulerConfig
@@ -96,7 +103,7 @@ def model_logits(batch: int) -> torch.Tensor:
         engine.add_request(Request(f"p{i}", ids[:n], SamplingParams(max_tokens=1), time.perf_counter_ns()))
         while engine.has_work:
             engine.step()
-    return torch.cat(captured)[:batch]
+    return torch.cat(captured)[:batch], runner.tokenizer
 
 
 def per_iteration_ms(sampler: Sampler, reqs: list[Request], logits: torch.Tensor) -> float:
@@ -104,7 +111,7 @@ def per_iteration_ms(sampler: Sampler, reqs: list[Request], logits: torch.Tensor
     for _ in range(ITERATIONS):
         x = logits.clone()
         start = time.perf_counter()
-        tokens = sampler(x, reqs)
+        tokens = sampler(x, reqs).tokens
         times.append((time.perf_counter() - start) * 1e3)
         for r, t in zip(reqs, tokens, strict=True):
             r.output_token_ids.append(t)
@@ -125,13 +132,14 @@ def main() -> None:
     ap.add_argument("--out", default="sampler_cost")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = {"model": model_logits(args.batch), "flat": torch.randn(args.batch, VOCAB) * 4}
+    logits, tokenizer = model_logits(args.batch)
+    shapes = {"model": logits, "flat": torch.randn(args.batch, VOCAB) * 4}
     raw: dict[str, list[float]] = {f"{shape}/{name}": [] for shape in shapes for name in CONFIGS}
     builds: list[float] = []
     for rep in range(args.repeats):
         for shape, logits in shapes.items():
             for name, params in CONFIGS.items():
-                sampler = Sampler(VOCAB, torch.device("cpu"))
+                sampler = Sampler(VOCAB, torch.device("cpu"), tokenizer)
                 # the path every random row took before candidates (and still takes when a cut lies beyond them)
                 sampling.CANDIDATES = () if "whole-vocabulary" in name else CANDIDATES
                 reqs = requests(args.batch, params, f"{rep}-{shape}-{name}")
