@@ -10,6 +10,7 @@ tells the observers (metrics, telemetry, traces, request log) what happened.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -129,6 +130,14 @@ class EngineClient:
 
     async def submit(self, req: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
         """Queue a request; returns its stream and prompt length. Raises ProtocolError."""
+        streams, prompt_tokens = await self.submit_choices(req, request_id, 1)
+        return streams[0], prompt_tokens
+
+    async def submit_choices(self, req: GenerateRequest, request_id: str, n: int) -> tuple[list[RequestStream], int]:
+        """Queue n choices of one prompt (OpenAI's ``n``): tokenized once; the
+        first choice's prompt is computed and the others share its KV blocks
+        (``Request.prefill_after``). Choice i > 0 is ``<request_id>-<i>``, with
+        its own seed when one is given. Returns their streams and the prompt length."""
         arrival_ns = time.perf_counter_ns()
         if self.fatal is not None:
             raise ProtocolError("unavailable", f"the engine stopped: {self.fatal}")
@@ -148,15 +157,27 @@ class EngineClient:
         limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:
             sampling.max_tokens = max(1, limit - len(ids))
-        request = Request(request_id, ids, sampling, arrival_ns, req.priority, req.tenant)
+        streams = []
+        for i in range(n):
+            choice_id = request_id if i == 0 else f"{request_id}-{i}"
+            choice_sampling = sampling
+            if i and sampling.seed is not None:  # the same seed would draw the same tokens n times
+                choice_sampling = dataclasses.replace(sampling, seed=hash((sampling.seed, i)) & (2**63 - 1))
+            request = Request(choice_id, ids, choice_sampling, arrival_ns, req.priority, req.tenant)
+            request.prefill_after = request_id if i else None
+            streams.append(self._queue(request, req))
+        if self.rate_limit is not None:
+            self.rate_limit.charge(req.tenant, len(ids))
+        return streams, len(ids)
+
+    def _queue(self, request: Request, req: GenerateRequest) -> RequestStream:
+        request_id = request.request_id
         try:
             future = self.step_loop.submit(request)
         except RequestRejected as exc:
             raise ProtocolError(exc.code, str(exc)) from None
         except ValueError as exc:
             raise ProtocolError("invalid_request", str(exc)) from None
-        if self.rate_limit is not None:
-            self.rate_limit.charge(req.tenant, len(ids))
         stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
         self._streams[request_id] = stream
         self._unstarted.add(request_id)
@@ -164,7 +185,7 @@ class EngineClient:
         operation = "chat" if req.messages is not None else "text_completion"
         self._observe(lambda obs: obs.on_submit(request, operation, self.settings.model_name, req.traceparent))
         future.add_done_callback(lambda f: self._submit_failed(request_id, f.exception()) if f.exception() else None)
-        return stream, len(ids)
+        return stream
 
     def _submit_failed(self, request_id: str, exc: BaseException | None) -> None:
         """Step thread: the engine refused a request that passed the checks (a bug)."""

@@ -8,6 +8,7 @@ OpenAI's fields: ``top_k``, ``ignore_eos``, ``priority``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ from gateway.generation import Piece, PieceMaker, text_pieces
 from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
+from gateway.streams import RequestStream
 from gateway.tools import ToolCall, Tools, may_start_call, parse_tools, read_calls
 from gateway.tools import grammar as tool_grammar
 
@@ -136,23 +138,33 @@ async def _handle(request: Request, chat: bool) -> Response:
             req.traceparent = request.headers.get("traceparent")
         req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
         request_id = client.new_id("chatcmpl" if chat else "cmpl")
-        stream, prompt_tokens = await client.submit(req, request_id)
+        n = _int_field(body, "n", 1, MAX_CHOICES)
+        if n > 1 and req.tools is not None:
+            raise ProtocolError("invalid_request", "n: more than one choice with tools is not supported", param="n")
+        streams, prompt_tokens = await client.submit_choices(req, request_id, n)
     except ProtocolError as exc:
         client.metrics.errors.labels(exc.code).inc()
         return error_response(exc.code, exc.message, exc.retry_after_s, exc.param)
     model = body.get("model") or client.settings.model_name
-    maker = PieceMaker(client.tokenizer.token_bytes, req.sampling.stop, lambda: client.cancel(request_id))
-    pieces = text_pieces(stream, maker)
-    logprobs = LogprobsShape(client.tokenizer.token_bytes, chat) if req.sampling.logprobs is not None else None
-    shape = _Shape(request_id, model, chat, prompt_tokens, logprobs, req.tools)
+    token_bytes = client.tokenizer.token_bytes
+    ids = [s.request_id for s in streams]
+    makers = [PieceMaker(token_bytes, req.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
+
+    def shape(i: int) -> _Shape:
+        logprobs = LogprobsShape(token_bytes, chat) if req.sampling.logprobs is not None else None
+        return _Shape(request_id, model, chat, prompt_tokens, logprobs, req.tools, index=i)
+
+    if n > 1:
+        return await _choices(request, client, body, streams, makers, [shape(i) for i in range(n)])
+    pieces = text_pieces(streams[0], makers[0])
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
-            _sse(client, request_id, pieces, shape, usage),
+            _sse(client, request_id, pieces, shape(0), usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _collect(request, client, request_id, pieces, shape)
+    return await _collect(request, client, request_id, pieces, shape(0))
 
 
 class _Shape:
@@ -166,10 +178,12 @@ class _Shape:
         prompt_tokens: int,
         logprobs: LogprobsShape | None,
         tools: Tools | None = None,
+        index: int = 0,
     ) -> None:
         self.id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
         self.logprobs = logprobs
         self.tools = tools
+        self.index = index  # the choice
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, known at the end
@@ -197,10 +211,10 @@ class _Shape:
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
 
@@ -233,10 +247,10 @@ class _Shape:
                     message = {"role": "assistant", "content": text or None}
                     message["tool_calls"] = [self.call_json(i, c) for i, c in enumerate(calls)]
                     finish = "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             kind = "text_completion"
         return {
             "id": self.id,
@@ -352,3 +366,126 @@ async def _collect(
         client.metrics.errors.labels(error.code).inc()
         return error_response(error.code, error.message)
     return JSONResponse(result)
+
+
+MAX_CHOICES = 16
+
+
+def _int_field(body: dict[str, Any], name: str, default: int, high: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ProtocolError("invalid_request", f"{name} must be an integer in [1, {high}]", param=name)
+    return value
+
+
+async def _choice_pieces(
+    streams: list[RequestStream], makers: list[PieceMaker]
+) -> AsyncIterator[tuple[int, Piece | ProtocolError]]:
+    """The choices' pieces as they come, interleaved, until every choice has ended:
+    one task drains all the streams, woken by any of them."""
+    wake = [anyio.Event()]
+    for s in streams:
+        s.on_put = lambda: wake[0].set()
+    ended = [False] * len(streams)
+    while not all(ended):
+        for i, (stream, maker) in enumerate(zip(streams, makers, strict=True)):
+            while not ended[i] and (delta := stream.get_nowait()) is not None:
+                try:
+                    piece = maker.feed(delta)
+                except ProtocolError as exc:
+                    ended[i] = True
+                    yield i, exc
+                    continue
+                if piece is not None:
+                    ended[i] = piece.finish_reason is not None
+                    yield i, piece
+        if not all(ended):
+            await wake[0].wait()
+            wake[0] = anyio.Event()
+
+
+async def _choices(
+    request: Request,
+    client: EngineClient,
+    body: dict[str, Any],
+    streams: list[RequestStream],
+    makers: list[PieceMaker],
+    shapes: list[_Shape],
+) -> Response:
+    """n > 1: every choice of one prompt, in one response or one interleaved stream."""
+
+    def usage() -> dict[str, Any]:
+        completion = sum(s.completion_tokens for s in shapes)
+        return {
+            **shapes[0].usage(),
+            "completion_tokens": completion,
+            "total_tokens": shapes[0].prompt_tokens + completion,
+        }
+
+    def cancel_all() -> None:
+        for s in streams:
+            client.cancel(s.request_id)
+            s.close()
+
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if shapes[0].chat:
+                    for shape in shapes:
+                        yield b"data: " + orjson.dumps(shape.chunk("", None, first=True)) + b"\n\n"
+                async for i, item in _choice_pieces(streams, makers):
+                    if isinstance(item, ProtocolError):
+                        client.metrics.errors.labels(item.code).inc()
+                        yield b"data: " + orjson.dumps(error_body(item.code, item.message)) + b"\n\n"
+                        continue
+                    shapes[i].count(item)
+                    finish = _finish(item) if item.finish_reason else None
+                    logprobs = shapes[i].piece_logprobs(item)
+                    if item.text or finish or logprobs:
+                        chunk = shapes[i].chunk(item.text, finish, logprobs=logprobs)
+                        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                if include_usage:
+                    tail = {**shapes[0].chunk(None, None), "choices": [], "usage": usage()}
+                    yield b"data: " + orjson.dumps(tail) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                cancel_all()  # finished choices are no-ops; a client gone mid-stream frees them all
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    parts: list[list[str]] = [[] for _ in streams]
+    choices: list[dict[str, Any] | None] = [None] * len(streams)
+    failure: ProtocolError | None = None
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect, tg.cancel_scope)
+            async for i, item in _choice_pieces(streams, makers):
+                if isinstance(item, ProtocolError):
+                    failure = item
+                    break
+                parts[i].append(item.text)
+                shapes[i].count(item)
+                shapes[i].piece_logprobs(item)
+                if item.finish_reason:
+                    choices[i] = shapes[i].whole("".join(parts[i]), _finish(item))["choices"][0]
+            tg.cancel_scope.cancel()
+    finally:
+        cancel_all()
+    if failure is not None:
+        client.metrics.errors.labels(failure.code).inc()
+        return error_response(failure.code, failure.message)
+    if any(c is None for c in choices):  # the client went away
+        return Response(status_code=499)
+    whole = shapes[0].whole("", "stop")
+    return JSONResponse({**whole, "choices": choices, "usage": usage()})

@@ -56,7 +56,7 @@ COMMON: dict[str, str | NoOp] = {
     "stream": IMPLEMENTED,
     "stream_options": IMPLEMENTED,
     "user": IMPLEMENTED,  # an end-user id: informational
-    "n": _null_or(1),
+    "n": IMPLEMENTED,
     "presence_penalty": IMPLEMENTED,
     "frequency_penalty": IMPLEMENTED,
     "logit_bias": IMPLEMENTED,

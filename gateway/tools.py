@@ -25,6 +25,7 @@ from typing import Any
 import llguidance
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3 may open a call with it
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
 MAX_TOOLS = 128
 
@@ -153,23 +154,30 @@ class ToolCall:
 
 
 def read_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Split a reply into its text and the calls it makes (``<tool_call>`` blocks
-    holding a JSON object with a string name); malformed blocks stay text."""
-    calls = []
-    for match in _CALL.finditer(text):
-        try:
-            obj = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-            arguments = obj.get("arguments", obj.get("parameters", {}))
-            calls.append(ToolCall(obj["name"], json.dumps(arguments, separators=(",", ":"))))
-    if not calls:
-        return text, []
-    return _CALL.sub("", text).strip(), calls
+    """Split a reply into its text and the calls it makes: ``<tool_call>`` blocks
+    (Hermes, Qwen2), or a reply that is one JSON call (Llama 3, after an optional
+    ``<|python_tag|>``). A block that is not a call stays text."""
+    calls = [c for m in _CALL.finditer(text) if (c := _call(m.group(1))) is not None]
+    if calls:
+        return _CALL.sub("", text).strip(), calls
+    whole = _call(text.strip().removeprefix(PYTHON_TAG))
+    return ("", [whole]) if whole is not None else (text, [])
+
+
+def _call(text: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if "arguments" not in obj and "parameters" not in obj:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters"))
+    return ToolCall(obj["name"], json.dumps(arguments, separators=(",", ":"), ensure_ascii=False))
 
 
 def may_start_call(text: str) -> bool:
     """Could a reply that begins with this text still turn out to be a tool call?"""
     head = text.lstrip()
-    return CALL_OPEN.startswith(head) or head.startswith(CALL_OPEN)
+    return any(marker.startswith(head) or head.startswith(marker) for marker in (CALL_OPEN, PYTHON_TAG, "{"))

@@ -106,7 +106,7 @@ BAD_HTTP = [
     (orjson.dumps({"model": "m", "prompt": "x", "top_p": 0}), "top_p"),
     (orjson.dumps({"model": "m", "prompt": 5}), "prompt must be a string"),
     (orjson.dumps({"model": "m"}), "exactly one of"),
-    (orjson.dumps({"model": "m", "prompt": "x", "n": 2}), "n: 2 is not supported (accepted: null or 1)"),
+    (orjson.dumps({"model": "m", "prompt": "x", "n": 17}), "n must be an integer in [1, 16]"),
     (orjson.dumps({"model": "m", "prompt": "x", "logprobs": 21}), "logprobs must be an integer in [0, 20]"),
     (orjson.dumps({"model": "m", "prompt": "x", "stop": [1]}), "stop"),
     (orjson.dumps({"model": "m", "prompt": "x " * 9000}), "context limit"),

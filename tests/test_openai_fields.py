@@ -36,6 +36,7 @@ GOOD = {
     "response_format": {"type": "json_object"},
     "tools": [TOOL],
     "tool_choice": "auto",
+    "n": 2,
     "logprobs": 2,  # chat: true (below)
     "top_logprobs": 2,
     "priority": 1,
@@ -44,7 +45,6 @@ GOOD = {
     "prompt": "Hi",
 }
 NO_OP = {
-    "n": 1,
     "parallel_tool_calls": True,
     "functions": None,
     "function_call": "none",
@@ -64,7 +64,6 @@ NO_OP = {
     "suffix": "",
 }
 REFUSED = {
-    "n": 2,
     "parallel_tool_calls": "yes",
     "functions": [TOOL["function"]],
     "function_call": "auto",
@@ -252,3 +251,39 @@ def test_logprobs_in_openai_shapes_streaming_and_not(tiny):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     r = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "logprobs": 21}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_n_choices_share_the_prompt_and_stream_interleaved(tiny):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=tiny.url + "/v1", api_key="x", max_retries=0)
+    ask = dict(model="m", prompt="one two three", max_tokens=6, temperature=1.0, seed=3, n=3)
+    whole = client.completions.create(**ask)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # each choice its own draw, even with one seed
+    prompt_tokens = whole.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 18 and whole.usage.total_tokens == prompt_tokens + 18
+    again = client.completions.create(**ask)
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts  # seeded: reproducible
+    streamed: dict[int, str] = {}
+    order = []
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            order.append(c.index)
+    assert [streamed[i] for i in range(3)] == texts
+    assert order != sorted(order)  # interleaved, not one choice after another
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, logprobs=True
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and all(len(c.logprobs.content) == 4 for c in chat.choices)
+
+
+def test_a_client_leaving_frees_every_choice(tiny):
+    body = {"prompt": "one two", "max_tokens": 400, "n": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", tiny.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text":"' in line:
+                break
+    assert tiny.wait_kv_baseline() == 0

@@ -347,3 +347,27 @@ def test_fair_policy_serves_the_tenant_with_the_fewest_tokens_first():
     assert e.scheduler.served["polite"] == e.scheduler.served["flood"]  # lifted: idle time banks no credit
     finished = [o.request_id for out in run_to_completion(e) for o in out.outputs if o.finish_reason]
     assert finished == ["flood1", "polite", "flood2", "flood3"]  # the tie went to the older prompt, then polite
+
+
+def test_choices_of_one_prompt_compute_it_once_and_share_its_blocks():
+    """OpenAI's n > 1: the other choices wait for the first one's prompt, then
+    hit the prefix cache for every full block (only the partial last block is
+    computed again) and share those blocks by reference count."""
+    e = sim_engine(token_budget=64, block_size=4)
+    prompt = list(range(100, 130))  # 30 tokens: 7 full blocks and 2 tokens
+    head = request("c0", prompt, max_tokens=5)
+    others = [request(f"c{i}", prompt, max_tokens=5) for i in (1, 2)]
+    for r in others:
+        r.prefill_after = "c0"
+    for r in (head, *others):
+        e.add_request(r)
+    first = step_items(e)
+    assert first == [("c0", 30, True)]  # the siblings sat out the head's prefill, with budget to spare
+    second = step_items(e)
+    assert sorted(x for x in second if x[2]) == [("c1", 2, True), ("c2", 2, True)]  # only the partial block
+    shared = set(head.block_ids[:7])
+    assert all(set(r.block_ids[:7]) == shared for r in others)
+    assert all(e.kv.blocks[b].ref_count == 3 for b in shared)
+    e.kv.check_invariants(e.scheduler.requests.values())
+    run_to_completion(e)
+    assert e.kv.num_used_blocks == 0 and all(r.num_output_tokens == 5 for r in (head, *others))

@@ -126,6 +126,9 @@ def test_reading_calls_from_text():
     assert read_calls("<tool_call>not json</tool_call>")[1] == []
     assert read_calls("plain answer") == ("plain answer", [])
     assert may_start_call("  <tool") and may_start_call("<tool_call>{") and not may_start_call("The")
+    llama = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Nice"}}'
+    assert [(c.name, c.arguments) for c in read_calls(llama)[1]] == [("get_weather", '{"city":"Nice"}')]
+    assert read_calls('{"answer": 42}') == ('{"answer": 42}', [])  # JSON that is not a call stays text
 
 
 def test_templates_without_tools_get_the_hermes_system_section():

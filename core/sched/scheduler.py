@@ -225,6 +225,8 @@ class Scheduler:
         for req in ordered:
             if left == 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if self._prompt_pending(req.prefill_after):
+                continue
             pending = req.num_tokens - self.kv.cached_prefix_tokens(req)
             n = self._chunk(req, pending, left, whole)
             if n == 0:
@@ -247,6 +249,11 @@ class Scheduler:
             taken = set(admitted)
             self.waiting = [r for r in self.waiting if r not in taken]
         return left
+
+    def _prompt_pending(self, request_id: str | None) -> bool:
+        """Is that request (a sibling choice) still waiting for or computing its prompt?"""
+        head = self.requests.get(request_id) if request_id is not None else None
+        return head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
 
     def _chunk(self, req: Request, pending: int, left: int, whole: bool) -> int:
         if whole:
