@@ -7,14 +7,14 @@ generation the same way: a stop string cancels the engine request at once
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.model.detokenizer import Detokenizer
 from core.sched.batch import Logprobs
 from core.sched.request import FinishReason, Request
 from gateway.protocol import ProtocolError
-from gateway.streams import Delta, RequestStream
+from gateway.streams import Delta
 
 # The one mapping from the engine's finish reasons to what clients of both
 # APIs see: a normal end with its wire string, or an error frame/response.
@@ -62,17 +62,3 @@ class PieceMaker:
         if ids or text:
             return Piece(delta.first_index, text, ids, delta.emit_ns, logprobs=logprobs)
         return None
-
-
-async def text_pieces(stream: RequestStream, maker: PieceMaker) -> AsyncGenerator[Piece, None]:
-    """Pieces until the request ends (one consumer per request: the HTTP API).
-    However it stops (end, error, cancellation, ``aclose()``), the stream is closed."""
-    try:
-        while True:
-            piece = maker.feed(await stream.get())
-            if piece is not None:
-                yield piece
-                if piece.finish_reason is not None:
-                    return
-    finally:
-        stream.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from core.sched.request import MAX_LOGPROBS
 from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
-from gateway.generation import Piece, PieceMaker, text_pieces
+from gateway.generation import Piece, PieceMaker
 from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
@@ -154,17 +154,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         logprobs = LogprobsShape(token_bytes, chat) if req.sampling.logprobs is not None else None
         return _Shape(request_id, model, chat, prompt_tokens, logprobs, req.tools, index=i)
 
-    if n > 1:
-        return await _choices(request, client, body, streams, makers, [shape(i) for i in range(n)])
-    pieces = text_pieces(streams[0], makers[0])
-    if body.get("stream"):
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(
-            _sse(client, request_id, pieces, shape(0), usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    return await _collect(request, client, request_id, pieces, shape(0))
+    return await _respond(request, client, body, streams, makers, [shape(i) for i in range(n)])
 
 
 class _Shape:
@@ -294,81 +284,11 @@ def _finish(piece: Piece) -> str:
     return piece.finish_reason or "stop"
 
 
-async def _sse(
-    client: EngineClient, request_id: str, pieces: AsyncGenerator[Piece, None], shape: _Shape, usage: bool
-) -> AsyncIterator[bytes]:
-    """SSE events; if the client goes away Starlette cancels this and the finally aborts."""
-    finished = False
-    try:
-        if shape.chat:
-            yield b"data: " + orjson.dumps(shape.chunk("", None, first=True)) + b"\n\n"
-        held = _HeldText(shape.tools)
-        try:
-            async for piece in pieces:
-                shape.count(piece)
-                finish = _finish(piece) if piece.finish_reason else None
-                logprobs = shape.piece_logprobs(piece)
-                text = held.feed(piece.text)
-                if finish is not None and held.text:
-                    text, calls = held.finish()
-                    if calls:
-                        if text:
-                            yield b"data: " + orjson.dumps(shape.chunk(text, None)) + b"\n\n"
-                        for chunk in shape.call_chunks(calls):
-                            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                        text, finish = "", "tool_calls"
-                if text or finish or logprobs:
-                    yield b"data: " + orjson.dumps(shape.chunk(text, finish, logprobs=logprobs)) + b"\n\n"
-                finished = finish is not None
-        except ProtocolError as exc:
-            finished = True
-            client.metrics.errors.labels(exc.code).inc()
-            yield b"data: " + orjson.dumps(error_body(exc.code, exc.message)) + b"\n\n"
-        if usage:
-            tail = {**shape.chunk(None, None), "choices": [], "usage": shape.usage()}
-            yield b"data: " + orjson.dumps(tail) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-    finally:
-        if not finished:
-            client.cancel(request_id)
-        await pieces.aclose()  # a client gone mid-stream leaves pieces suspended: release its stream
-
-
-async def _collect(
-    request: Request, client: EngineClient, request_id: str, pieces: AsyncIterator[Piece], shape: _Shape
-) -> Response:
-    """Non-streaming: gather the text while watching for the client leaving."""
-    parts: list[str] = []
-    result: dict[str, Any] = {}
-
-    async def watch_disconnect(scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        client.cancel(request_id)
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch_disconnect, tg.cancel_scope)
-        try:
-            async for piece in pieces:
-                parts.append(piece.text)
-                shape.count(piece)
-                shape.piece_logprobs(piece)
-                if piece.finish_reason:
-                    result = shape.whole("".join(parts), _finish(piece))
-        except ProtocolError as exc:
-            result = {"error": exc}
-        tg.cancel_scope.cancel()
-    if not result:  # the client went away
-        return Response(status_code=499)
-    if "error" in result:
-        error: ProtocolError = result["error"]
-        client.metrics.errors.labels(error.code).inc()
-        return error_response(error.code, error.message)
-    return JSONResponse(result)
-
-
 MAX_CHOICES = 16
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, high: int) -> int:
@@ -406,7 +326,7 @@ async def _choice_pieces(
             wake[0] = anyio.Event()
 
 
-async def _choices(
+async def _respond(
     request: Request,
     client: EngineClient,
     body: dict[str, Any],
@@ -414,7 +334,9 @@ async def _choices(
     makers: list[PieceMaker],
     shapes: list[_Shape],
 ) -> Response:
-    """n > 1: every choice of one prompt, in one response or one interleaved stream."""
+    """Every choice of one prompt (OpenAI's ``n``), in one response or one
+    interleaved SSE stream (``data: {...}`` chunks, then ``data: [DONE]``).
+    A client that goes away cancels every choice and frees its KV."""
 
     def usage() -> dict[str, Any]:
         completion = sum(s.completion_tokens for s in shapes)
@@ -433,24 +355,33 @@ async def _choices(
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[bytes]:
+            held = [_HeldText(shape.tools) for shape in shapes]
             try:
                 if shapes[0].chat:
                     for shape in shapes:
-                        yield b"data: " + orjson.dumps(shape.chunk("", None, first=True)) + b"\n\n"
+                        yield _event(shape.chunk("", None, first=True))
                 async for i, item in _choice_pieces(streams, makers):
                     if isinstance(item, ProtocolError):
                         client.metrics.errors.labels(item.code).inc()
-                        yield b"data: " + orjson.dumps(error_body(item.code, item.message)) + b"\n\n"
+                        yield _event(error_body(item.code, item.message))
                         continue
-                    shapes[i].count(item)
+                    shape = shapes[i]
+                    shape.count(item)
                     finish = _finish(item) if item.finish_reason else None
-                    logprobs = shapes[i].piece_logprobs(item)
-                    if item.text or finish or logprobs:
-                        chunk = shapes[i].chunk(item.text, finish, logprobs=logprobs)
-                        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                    logprobs = shape.piece_logprobs(item)
+                    text = held[i].feed(item.text)
+                    if finish is not None and held[i].text:
+                        text, calls = held[i].finish()
+                        if calls:
+                            if text:
+                                yield _event(shape.chunk(text, None))
+                            for chunk in shape.call_chunks(calls):
+                                yield _event(chunk)
+                            text, finish = "", "tool_calls"
+                    if text or finish or logprobs:
+                        yield _event(shape.chunk(text, finish, logprobs=logprobs))
                 if include_usage:
-                    tail = {**shapes[0].chunk(None, None), "choices": [], "usage": usage()}
-                    yield b"data: " + orjson.dumps(tail) + b"\n\n"
+                    yield _event({**shapes[0].chunk(None, None), "choices": [], "usage": usage()})
                 yield b"data: [DONE]\n\n"
             finally:
                 cancel_all()  # finished choices are no-ops; a client gone mid-stream frees them all
