@@ -26,7 +26,7 @@ from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
 from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
 from gateway.streams import RequestStream
-from gateway.tools import ToolCall, Tools, may_start_call, parse_tools, read_calls
+from gateway.tools import CallStream, ToolCall, Tools, forced_call, may_start_call, parse_tools, read_calls
 from gateway.tools import grammar as tool_grammar
 
 
@@ -215,6 +215,24 @@ class _Shape:
             "function": {"name": call.name, "arguments": call.arguments},
         }
 
+    def _tool_delta(self, part: dict[str, Any]) -> dict[str, Any]:
+        chunk = self.chunk(None, None)
+        chunk["choices"][0]["delta"] = {"tool_calls": [part]}
+        return chunk
+
+    def call_stream_chunks(self, call: CallStream, text: str, last: bool) -> list[dict[str, Any]]:
+        """A forced call's pieces for this much more text: its id and name once, then its arguments."""
+        name, arguments = call.feed(text)
+        if last:
+            arguments += call.finish()
+        chunks = []
+        if name is not None:
+            head = {"index": 0, "id": f"call_{self.id}_0", "type": "function"}
+            chunks.append(self._tool_delta({**head, "function": {"name": name, "arguments": ""}}))
+        if arguments:
+            chunks.append(self._tool_delta({"index": 0, "function": {"arguments": arguments}}))
+        return chunks
+
     def call_chunks(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         """Each call as OpenAI streams it: id and name first, then its arguments."""
         chunks = []
@@ -232,7 +250,8 @@ class _Shape:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tools is not None:
-                text, calls = read_calls(text)
+                forced = forced_call(text) if self.tools.forced else None
+                text, calls = ("", [forced]) if forced is not None else read_calls(text)
                 if calls:
                     message = {"role": "assistant", "content": text or None}
                     message["tool_calls"] = [self.call_json(i, c) for i, c in enumerate(calls)]
@@ -356,6 +375,7 @@ async def _respond(
 
         async def events() -> AsyncIterator[bytes]:
             held = [_HeldText(shape.tools) for shape in shapes]
+            calls = [CallStream() if shape.tools is not None and shape.tools.forced else None for shape in shapes]
             try:
                 if shapes[0].chat:
                     for shape in shapes:
@@ -369,13 +389,21 @@ async def _respond(
                     shape.count(item)
                     finish = _finish(item) if item.finish_reason else None
                     logprobs = shape.piece_logprobs(item)
+                    if (call := calls[i]) is not None:  # a forced call: streamed as it is generated
+                        for chunk in shape.call_stream_chunks(call, item.text, finish is not None):
+                            yield _event(chunk)
+                        if finish is not None and call.name is not None:
+                            finish = "tool_calls"
+                        if finish or logprobs:
+                            yield _event(shape.chunk("", finish, logprobs=logprobs))
+                        continue
                     text = held[i].feed(item.text)
                     if finish is not None and held[i].text:
-                        text, calls = held[i].finish()
-                        if calls:
+                        text, found = held[i].finish()
+                        if found:
                             if text:
                                 yield _event(shape.chunk(text, None))
-                            for chunk in shape.call_chunks(calls):
+                            for chunk in shape.call_chunks(found):
                                 yield _event(chunk)
                             text, finish = "", "tool_calls"
                     if text or finish or logprobs:

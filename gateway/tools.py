@@ -181,3 +181,48 @@ def may_start_call(text: str) -> bool:
     """Could a reply that begins with this text still turn out to be a tool call?"""
     head = text.lstrip()
     return any(marker.startswith(head) or head.startswith(marker) for marker in (CALL_OPEN, PYTHON_TAG, "{"))
+
+
+# A forced call's exact text (its grammar leaves no freedom in the layout)
+_FORCED_HEAD = re.compile(r"\s*" + re.escape(CALL_OPEN) + r'\n\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
+_FORCED_TAIL = "}\n" + CALL_CLOSE
+
+
+class CallStream:
+    """A forced call's text as it grows, in OpenAI's streaming pieces: the
+    function name as soon as it is complete, then the arguments' JSON text as
+    it comes (the closing ``}`` and tag held back until the end)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.name: str | None = None
+        self._sent = 0  # end of the argument text sent so far
+
+    def feed(self, text: str) -> tuple[str | None, str]:
+        """(the name, the first time it is known; argument text to send now)."""
+        self.text += text
+        new_name = None
+        if self.name is None:
+            head = _FORCED_HEAD.match(self.text)
+            if head is None:
+                return None, ""
+            self.name = new_name = json.loads(head.group(1))
+            self._sent = head.end()
+        upto = max(self._sent, len(self.text) - len(_FORCED_TAIL))
+        out, self._sent = self.text[self._sent : upto], upto
+        return new_name, out
+
+    def finish(self) -> str:
+        """The rest of the arguments, once the reply has ended."""
+        end = len(self.text) - len(_FORCED_TAIL) if self.text.endswith(_FORCED_TAIL) else len(self.text)
+        out = self.text[self._sent : max(self._sent, end)] if self.name is not None else ""
+        self._sent = max(self._sent, end)
+        return out
+
+
+def forced_call(text: str) -> ToolCall | None:
+    """The call of a complete forced reply (the arguments' text as generated), else None."""
+    head = _FORCED_HEAD.match(text)
+    if head is None or not text.endswith(_FORCED_TAIL):
+        return None
+    return ToolCall(json.loads(head.group(1)), text[head.end() : len(text) - len(_FORCED_TAIL)])

@@ -69,7 +69,7 @@ def test_a_forced_call_has_valid_arguments_even_from_a_random_model(tiny, choice
 def test_streamed_call_deltas_reassemble_to_the_same_call(tiny):
     ask = dict(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0)
     whole = client(tiny).chat.completions.create(**ask).choices[0].message.tool_calls[0]
-    name, arguments, ids, finish = "", "", set(), None
+    name, fragments, ids, finish = "", [], set(), None
     for chunk in client(tiny).chat.completions.create(**ask, stream=True):
         if not chunk.choices:
             continue
@@ -79,10 +79,11 @@ def test_streamed_call_deltas_reassemble_to_the_same_call(tiny):
             assert part.index == 0
             ids.add(part.id) if part.id else None
             name += part.function.name or ""
-            arguments += part.function.arguments or ""
+            fragments.append(part.function.arguments or "")
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and len(ids) == 1
-    assert (name, json.loads(arguments)) == (whole.function.name, json.loads(whole.function.arguments))
+    assert (name, "".join(fragments)) == (whole.function.name, whole.function.arguments)  # the same text
+    assert len([f for f in fragments if f]) > 2  # the arguments stream as they are generated
 
 
 def test_tool_results_go_back_to_the_model(tiny):
@@ -136,3 +137,18 @@ def test_templates_without_tools_get_the_hermes_system_section():
     out = template_messages(MESSAGES, tools, template_takes_tools=False)
     assert out[0]["role"] == "system" and "get_weather" in out[0]["content"] and "<tool_call>" in out[0]["content"]
     assert template_messages(MESSAGES, tools, template_takes_tools=True) == MESSAGES
+
+
+def test_a_forced_call_streams_its_arguments_and_holds_back_the_closing():
+    from gateway.tools import CallStream, forced_call
+
+    text = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}\n</tool_call>'
+    stream, got, names = CallStream(), [], []
+    for i in range(0, len(text), 5):
+        name, part = stream.feed(text[i : i + 5])
+        names += [name] if name else []
+        got.append(part)
+    got.append(stream.finish())
+    assert names == ["get_weather"] and "".join(got) == '{"city":"Paris","unit":"c"}'
+    assert forced_call(text).arguments == "".join(got)
+    assert forced_call(text[:-3]) is None  # cut short: no call
