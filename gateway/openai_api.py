@@ -2,8 +2,9 @@
 
 Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), with
 ``stream_options.include_usage``. A client that disconnects aborts its
-request (and frees its KV) whether it streams or not. Extensions beyond
-OpenAI's fields: ``top_k``, ``ignore_eos``, ``priority``.
+request (and frees its KV) whether it streams or not. Which of OpenAI's
+fields are honoured is ``gateway.openai_fields``; logprobs, ``n``,
+structured output and tool calls are shaped here.
 """
 
 from __future__ import annotations
