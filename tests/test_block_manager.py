@@ -130,3 +130,24 @@ def test_check_invariants_passes_on_real_use_and_names_corruption():
     a.footprint_blocks += 1  # a reservation the pool never made
     with pytest.raises(RuntimeError, match="reserve"):
         bm.check_invariants([a, b])
+
+
+def test_shared_blocks_are_copied_by_whichever_request_writes_first():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    head = admitted(bm, request("h", 10), reserve=16)
+    compute_all(bm, head)  # 10 tokens: 2 full blocks and a partial one
+    child = request("c", head.prompt_token_ids)
+    assert bm.share(child, head, 16)
+    assert child.block_ids == head.block_ids and child.num_computed_tokens == 9
+    assert all(bm.blocks[b].ref_count == 2 for b in head.block_ids)
+    bm.check_invariants([head, child])
+    partial = head.block_ids[2]
+    assert bm.allocate(head, 1)  # the head writes token 10 into the shared partial block: it copies it
+    assert head.block_ids[2] != partial and child.block_ids[2] == partial
+    assert bm.pending_copies == [(partial, head.block_ids[2])] and bm.blocks[partial].ref_count == 1
+    assert bm.allocate(child, 1)  # now the child's alone in it: no copy
+    assert bm.pending_copies == [(partial, head.block_ids[2])]
+    bm.check_invariants([head, child])
+    for r in (head, child):
+        bm.free(r)
+    assert bm.num_free_blocks == 16 and bm.num_reserved_blocks == 0

@@ -274,6 +274,9 @@ def test_n_choices_share_the_prompt_and_stream_interleaved(tiny):
             order.append(c.index)
     assert [streamed[i] for i in range(3)] == texts
     assert order != sorted(order)  # interleaved, not one choice after another
+    greedy = dict(model="m", prompt="one two three four five six seven", max_tokens=8, temperature=0)
+    alone = client.completions.create(**greedy).choices[0].text
+    assert [c.text for c in client.completions.create(**greedy, n=3).choices] == [alone] * 3  # shared KV, copied right
     chat = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, logprobs=True
     )

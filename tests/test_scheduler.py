@@ -351,23 +351,37 @@ def test_fair_policy_serves_the_tenant_with_the_fewest_tokens_first():
 
 def test_choices_of_one_prompt_compute_it_once_and_share_its_blocks():
     """OpenAI's n > 1: the other choices wait for the first one's prompt, then
-    hit the prefix cache for every full block (only the partial last block is
-    computed again) and share those blocks by reference count."""
-    e = sim_engine(token_budget=64, block_size=4)
+    share all its blocks by reference count (the partial last one copied on
+    write) and compute only their last prompt token, for their first logits.
+    Their tokens are those of three independent requests (SimRunner samples a
+    hash of the KV it reads back, so a wrong copy would change them)."""
     prompt = list(range(100, 130))  # 30 tokens: 7 full blocks and 2 tokens
-    head = request("c0", prompt, max_tokens=5)
-    others = [request(f"c{i}", prompt, max_tokens=5) for i in (1, 2)]
-    for r in others:
-        r.prefill_after = "c0"
-    for r in (head, *others):
-        e.add_request(r)
-    first = step_items(e)
-    assert first == [("c0", 30, True)]  # the siblings sat out the head's prefill, with budget to spare
+
+    def run(shared: bool):
+        e = sim_engine(token_budget=64, block_size=4)
+        reqs = [request(f"c{i}", prompt, max_tokens=6) for i in range(3)]
+        for r in reqs[1:]:
+            r.prefill_after = "c0" if shared else None
+        for r in reqs:
+            e.add_request(r)
+        return e, reqs
+
+    e, reqs = run(shared=True)
+    assert step_items(e) == [("c0", 30, True)]  # the siblings sat out the head's prefill, with budget to spare
+    real, copies = e.runner.execute, []
+    e.runner.execute = lambda batch: (copies.extend(batch.copies), real(batch))[1]
     second = step_items(e)
-    assert sorted(x for x in second if x[2]) == [("c1", 2, True), ("c2", 2, True)]  # only the partial block
-    shared = set(head.block_ids[:7])
-    assert all(set(r.block_ids[:7]) == shared for r in others)
-    assert all(e.kv.blocks[b].ref_count == 3 for b in shared)
+    assert sorted(x for x in second if x[2]) == [("c1", 1, True), ("c2", 1, True)]  # one token each
+    head_blocks = reqs[0].block_ids
+    for r in reqs[1:]:
+        assert r.block_ids[:7] == head_blocks[:7] and r.block_ids[7] != head_blocks[7]  # own copy of the last
+    assert all(e.kv.blocks[b].ref_count == 3 for b in head_blocks[:7])
+    # the head decoded first, into its block while it was still its own; each choice then copied it
+    assert copies == [(head_blocks[7], reqs[1].block_ids[7]), (head_blocks[7], reqs[2].block_ids[7])]
+    assert e.kv.blocks[head_blocks[7]].ref_count == 1
     e.kv.check_invariants(e.scheduler.requests.values())
     run_to_completion(e)
-    assert e.kv.num_used_blocks == 0 and all(r.num_output_tokens == 5 for r in (head, *others))
+    assert e.kv.num_used_blocks == 0
+    alone, alone_reqs = run(shared=False)
+    run_to_completion(alone)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in alone_reqs]

@@ -70,6 +70,9 @@ class SimRunner:
     def execute(self, batch: Batch) -> Sampled:
         faults.point("sample")
         bs = self.block_size
+        for source, copy in batch.copies:  # copy on write of a shared block
+            if source in self._slots:
+                self._slots[copy] = list(self._slots[source])
         sampled = []
         for item in batch.items:
             req = item.request

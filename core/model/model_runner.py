@@ -77,6 +77,9 @@ class ModelRunner:
         self.load_s = time.perf_counter() - start
 
     def execute(self, batch: Batch) -> Sampled:
+        for source, copy in batch.copies:  # copy on write: a choice's own copy of a shared block
+            self.k_cache[:, copy] = self.k_cache[:, source]
+            self.v_cache[:, copy] = self.v_cache[:, source]
         ids: list[int] = []
         tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
         for item in batch.items:

@@ -66,6 +66,7 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._by_hash: dict[bytes, int] = {}
         self._unallocated_reserve = 0  # every request's unallocated reserve, summed
+        self.pending_copies: list[tuple[int, int]] = []  # (source, copy) blocks for the next batch
         self.prefix_hit_tokens = 0
 
     # -- counters ---------------------------------------------------------
@@ -167,6 +168,26 @@ class BlockManager:
         self.prefix_hit_tokens += req.num_computed_tokens
         return True
 
+    def share(self, req: Request, head: Request, reserve_tokens: int) -> bool:
+        """Admit req, another choice of head's prompt (which head has computed),
+        onto head's blocks, or change nothing. Every block of the prompt is
+        shared, the partial last one too, until either request writes into it
+        (copy on write: ``allocate``); req computes only its last prompt token
+        again, for the logits of its first token. Its footprint reserves the copy."""
+        n = req.num_prompt_tokens
+        shared = head.block_ids[: self.blocks_for(n)]
+        footprint = max(self.blocks_for(reserve_tokens), len(shared)) + 1  # + the copy of the block it writes
+        if footprint - len(shared) > self.num_free_blocks - self._unallocated_reserve:
+            return False
+        for block_id in shared:
+            self._take(block_id)
+        req.block_ids = list(shared)
+        req.footprint_blocks = footprint
+        self._unallocated_reserve += self._reserve_left(req)
+        req.num_computed_tokens = n - 1
+        self.prefix_hit_tokens += n - 1
+        return True
+
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow req's block table to hold num_new_tokens more tokens, or change nothing.
 
@@ -174,14 +195,22 @@ class BlockManager:
         has reserved.
         """
         faults.point("allocate")
-        new_blocks = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        written = req.num_computed_tokens // self.block_size  # the block the first new token goes to
+        shared = written < len(req.block_ids) and self.blocks[req.block_ids[written]].ref_count > 1
+        new_blocks = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids) + shared
         if new_blocks <= 0:
             return True
         own_reserve = self._reserve_left(req)
         others_reserve = self._unallocated_reserve - own_reserve
         if new_blocks > self.num_free_blocks - others_reserve:
             return False
-        for _ in range(new_blocks):
+        if shared:  # copy on write: req's own copy of the block, filled by the runner before it runs
+            source, copy = req.block_ids[written], self._pop_free()
+            self.blocks[source].ref_count -= 1
+            req.block_ids[written] = copy
+            self.pending_copies.append((source, copy))
+            req.footprint_blocks -= 1 if own_reserve else 0  # the copy came out of its reserve
+        for _ in range(new_blocks - shared):
             req.block_ids.append(self._pop_free())
         self._unallocated_reserve -= own_reserve - self._reserve_left(req)
         return True

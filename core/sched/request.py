@@ -124,7 +124,7 @@ class Request:
     priority: int = 0  # lower runs earlier, as in vLLM
     tenant: str = ""  # who pays: the API key's id (the fair policy shares the engine between tenants)
     # another choice of the same prompt (OpenAI's n > 1): admitted once that one's
-    # prompt is in the KV cache, so its full blocks are shared, not computed again
+    # prompt is computed, onto its blocks (BlockManager.share), not computing it again
     prefill_after: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -116,9 +116,12 @@ class Scheduler:
         batch = Batch(self._iteration)
         try:
             faults.point("schedule")
-            return self._schedule(batch, now_ns)
+            self._schedule(batch, now_ns)
         except Exception as exc:
             raise ScheduleFailed(batch) from exc
+        finally:
+            batch.copies, self.kv.pending_copies = self.kv.pending_copies, []
+        return batch
 
     def _schedule(self, batch: Batch, now_ns: int) -> Batch:
         mode = self.config.chunking
@@ -227,14 +230,16 @@ class Scheduler:
                 break
             if self._prompt_pending(req.prefill_after):
                 continue
-            pending = req.num_tokens - self.kv.cached_prefix_tokens(req)
+            head = self._prompt_source(req)
+            pending = 1 if head is not None else req.num_tokens - self.kv.cached_prefix_tokens(req)
             n = self._chunk(req, pending, left, whole)
             if n == 0:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
                 continue  # would stay partial; a prompt that finishes in this chunk may still go
             reserve = min(req.sampling.max_tokens - req.num_output_tokens, cfg.decode_reserve_tokens)
-            if not self.kv.admit(req, min(req.num_tokens + reserve, cfg.max_model_len)):
+            footprint = min(req.num_tokens + reserve, cfg.max_model_len)
+            if not (self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)):
                 break  # head of line waits for KV room rather than being overtaken forever
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
@@ -249,6 +254,13 @@ class Scheduler:
             taken = set(admitted)
             self.waiting = [r for r in self.waiting if r not in taken]
         return left
+
+    def _prompt_source(self, req: Request) -> Request | None:
+        """The sibling choice whose computed prompt req can share, if it still holds it."""
+        head = self.requests.get(req.prefill_after) if req.prefill_after is not None else None
+        if head is None or req.num_output_tokens or head.num_computed_tokens < req.num_prompt_tokens:
+            return None  # gone, or req was preempted after output: the prefix cache serves instead
+        return head if head.prompt_token_ids == req.prompt_token_ids else None
 
     def _prompt_pending(self, request_id: str | None) -> bool:
         """Is that request (a sibling choice) still waiting for or computing its prompt?"""
