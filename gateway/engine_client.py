@@ -157,7 +157,7 @@ class EngineClient:
         limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:
             sampling.max_tokens = max(1, limit - len(ids))
-        streams = []
+        streams: list[RequestStream] = []
         for i in range(n):
             choice_id = request_id if i == 0 else f"{request_id}-{i}"
             choice_sampling = sampling
@@ -165,7 +165,13 @@ class EngineClient:
                 choice_sampling = dataclasses.replace(sampling, seed=hash((sampling.seed, i)) & (2**63 - 1))
             request = Request(choice_id, ids, choice_sampling, arrival_ns, req.priority, req.tenant)
             request.prefill_after = request_id if i else None
-            streams.append(self._queue(request, req))
+            try:
+                streams.append(self._queue(request, req))
+            except ProtocolError:  # the choices already queued have nobody to read them
+                for stream in streams:
+                    self.cancel(stream.request_id)
+                    stream.close()
+                raise
         if self.rate_limit is not None:
             self.rate_limit.charge(req.tenant, len(ids))
         return streams, len(ids)

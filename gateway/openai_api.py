@@ -25,7 +25,7 @@ from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
-from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, parse_generate
+from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, integer, parse_generate
 from gateway.streams import RequestStream
 from gateway.tools import CallStream, ToolCall, Tools, forced_call, may_start_call, parse_tools, read_calls
 from gateway.tools import grammar as tool_grammar
@@ -112,14 +112,10 @@ def _tools(body: dict[str, Any]) -> tuple[Tools | None, str | None]:
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat's ``logprobs: true`` and ``top_logprobs: k`` as the one alternatives count (None: not asked)."""
     asked = boolean(body, "logprobs")
-    top = body.get("top_logprobs")
-    if top is not None and not asked and top != 0:
+    top = integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if top and not asked:
         raise ProtocolError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
-        raise ProtocolError(
-            "invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs"
-        )
-    return (top or 0) if asked else None
+    return top if asked else None
 
 
 async def completions(request: Request) -> Response:
@@ -139,7 +135,7 @@ async def _handle(request: Request, chat: bool) -> Response:
             req.traceparent = request.headers.get("traceparent")
         req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
         request_id = client.new_id("chatcmpl" if chat else "cmpl")
-        n = _int_field(body, "n", 1, MAX_CHOICES)
+        n = integer(body, "n", 1, 1, MAX_CHOICES) or 1
         if n > 1 and req.tools is not None:
             raise ProtocolError("invalid_request", "n: more than one choice with tools is not supported", param="n")
         streams, prompt_tokens = await client.submit_choices(req, request_id, n)
@@ -216,35 +212,29 @@ class _Shape:
             "function": {"name": call.name, "arguments": call.arguments},
         }
 
-    def _tool_delta(self, part: dict[str, Any]) -> dict[str, Any]:
-        chunk = self.chunk(None, None)
-        chunk["choices"][0]["delta"] = {"tool_calls": [part]}
-        return chunk
+    def _call_deltas(self, i: int, name: str | None, arguments: str) -> list[dict[str, Any]]:
+        """OpenAI's streamed pieces of call i: its id and name (once), then argument text."""
+        parts: list[dict[str, Any]] = []
+        if name is not None:
+            head = self.call_json(i, ToolCall(name, ""))
+            parts.append({**head, "index": i})
+        if arguments:
+            parts.append({"index": i, "function": {"arguments": arguments}})
+        chunks = []
+        for part in parts:
+            chunk = self.chunk(None, None)
+            chunk["choices"][0]["delta"] = {"tool_calls": [part]}
+            chunks.append(chunk)
+        return chunks
 
     def call_stream_chunks(self, call: CallStream, text: str, last: bool) -> list[dict[str, Any]]:
         """A forced call's pieces for this much more text: its id and name once, then its arguments."""
         name, arguments = call.feed(text)
-        if last:
-            arguments += call.finish()
-        chunks = []
-        if name is not None:
-            head = {"index": 0, "id": f"call_{self.id}_0", "type": "function"}
-            chunks.append(self._tool_delta({**head, "function": {"name": name, "arguments": ""}}))
-        if arguments:
-            chunks.append(self._tool_delta({"index": 0, "function": {"arguments": arguments}}))
-        return chunks
+        return self._call_deltas(0, name, arguments + (call.finish() if last else ""))
 
     def call_chunks(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        """Each call as OpenAI streams it: id and name first, then its arguments."""
-        chunks = []
-        for i, call in enumerate(calls):
-            head = {**self.call_json(i, call), "index": i}
-            head["function"] = {"name": call.name, "arguments": ""}
-            for part in (head, {"index": i, "function": {"arguments": call.arguments}}):
-                chunk = self.chunk(None, None)
-                chunk["choices"][0]["delta"] = {"tool_calls": [part]}
-                chunks.append(chunk)
-        return chunks
+        """Calls read from a finished reply, each as OpenAI streams it."""
+        return [chunk for i, call in enumerate(calls) for chunk in self._call_deltas(i, call.name, call.arguments)]
 
     def whole(self, text: str, finish: str) -> dict[str, Any]:
         logprobs = self.logprobs.whole if self.logprobs is not None else None
@@ -309,15 +299,6 @@ MAX_CHOICES = 16
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _int_field(body: dict[str, Any], name: str, default: int, high: int) -> int:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-        raise ProtocolError("invalid_request", f"{name} must be an integer in [1, {high}]", param=name)
-    return value
 
 
 async def _choice_pieces(

@@ -61,7 +61,7 @@ class GenerateRequest:
     tools: Tools | None = None  # chat: functions the model may (or must) call
 
 
-def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+def integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
     """An integer field; absent or null means the default."""
     value = body.get(name)
     if value is None:
@@ -181,8 +181,8 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
     prompt = body.get("prompt")
     if has_prompt and not isinstance(prompt, str):
         raise ProtocolError("invalid_request", "prompt must be a string", param="prompt")
-    max_tokens = _int(body, "max_tokens", defaults.get("max_tokens"), 1, max_model_len)
-    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    max_tokens = integer(body, "max_tokens", defaults.get("max_tokens"), 1, max_model_len)
+    seed = integer(body, "seed", None, -(2**63), 2**63 - 1)
     ignore_eos = boolean(body, "ignore_eos")
     traceparent = body.get("traceparent")
     if traceparent is not None and not isinstance(traceparent, str):
@@ -191,7 +191,7 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         max_tokens=max_tokens or 1,
         temperature=_float(body, "temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
         top_p=_float(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_int(body, "top_k", 0, 0, 1 << 20) or 0,
+        top_k=integer(body, "top_k", 0, 0, 1 << 20) or 0,
         seed=seed,
         stop=_stop(body.get("stop")),
         ignore_eos=ignore_eos,
@@ -200,10 +200,10 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.01, 10.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
-        logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
+        logprobs=integer(body, "logprobs", None, 0, MAX_LOGPROBS),
         grammar=_grammar(body.get("response_format")),
     )
-    priority = _int(body, "priority", 0, -(2**31), 2**31 - 1) or 0
+    priority = integer(body, "priority", 0, -(2**31), 2**31 - 1) or 0
     return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
 
 

@@ -86,7 +86,7 @@ def test_batched_penalties_and_bias_match_the_per_request_definition():
     params = [r.sampling for r in reqs]
     bias_logits(got, [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias])
     which = [i for i, p in enumerate(params) if p.uses_history]
-    penalize(got, torch.tensor(which), sampler.counts.rows([reqs[i] for i in which]), sampler.counts, params)
+    penalize(got, which, sampler.counts.rows([reqs[i] for i in which]), sampler.counts, params)
     assert torch.allclose(got, expect, atol=1e-5)
 
 

@@ -42,7 +42,7 @@ class Sampler:
         rows = None
         if penalized:
             rows = self.counts.rows([requests[i] for i in penalized])
-            penalize(logits, torch.tensor(penalized, device=logits.device), rows, self.counts, params)
+            penalize(logits, penalized, rows, self.counts, params)
         constrained = [i for i, p in enumerate(params) if p.grammar is not None]
         if constrained:
             if self.grammars is None:
@@ -89,12 +89,12 @@ def bias_logits(logits: torch.Tensor, biases: list[tuple[int, tuple[tuple[int, f
 
 
 def penalize(
-    logits: torch.Tensor, which: torch.Tensor, rows: torch.Tensor, counts: TokenCounts, params: list[SamplingParams]
+    logits: torch.Tensor, which: list[int], rows: torch.Tensor, counts: TokenCounts, params: list[SamplingParams]
 ) -> None:
     """OpenAI's presence and frequency penalties on the generated tokens, and
     the repetition penalty on every token seen, for the rows ``which``."""
     dev = logits.device
-    chosen = [params[i] for i in which.tolist()]
+    chosen = [params[i] for i in which]
     presence = torch.tensor([p.presence_penalty for p in chosen], device=dev)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in chosen], device=dev)[:, None]
     repetition = torch.tensor([p.repetition_penalty for p in chosen], device=dev)[:, None]

@@ -122,12 +122,11 @@ class Engine:
     def config(self) -> SchedulerConfig:
         return self.scheduler.config
 
-    def snapshot(self) -> EngineSnapshot:
-        kv = self.kv
-        warnings = tuple(self.warnings)
-        return EngineSnapshot(
-            self.config, self.counts(), kv.num_blocks, kv.block_size, self.runner.vocab_size, warnings
-        )
+    def snapshot(self, counts: Counts | None = None) -> EngineSnapshot:
+        """What other threads may read; ``counts``: a step's own, when just taken."""
+        kv, warnings = self.kv, tuple(self.warnings)
+        counts = counts or self.counts()
+        return EngineSnapshot(self.config, counts, kv.num_blocks, kv.block_size, self.runner.vocab_size, warnings)
 
     # -- requests ----------------------------------------------------------
     def add_request(self, req: Request) -> None:

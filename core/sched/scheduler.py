@@ -260,7 +260,7 @@ class Scheduler:
         head = self.requests.get(req.prefill_after) if req.prefill_after is not None else None
         if head is None or req.num_output_tokens or head.num_computed_tokens < req.num_prompt_tokens:
             return None  # gone, or req was preempted after output: the prefix cache serves instead
-        return head if head.prompt_token_ids == req.prompt_token_ids else None
+        return head
 
     def _prompt_pending(self, request_id: str | None) -> bool:
         """Is that request (a sibling choice) still waiting for or computing its prompt?"""

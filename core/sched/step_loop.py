@@ -2,7 +2,7 @@
 
 Other threads never touch the engine: they put commands on a thread-safe
 inbox, which the thread drains between iterations, and read only
-``snapshot``, which the thread replaces after every iteration and command.
+``snapshot``, which the thread replaces after every iteration and settings change.
 Each iteration's outputs go to one callback call, never one call per token.
 
 The thread never dies silently: an engine that reports itself broken, or
@@ -81,12 +81,9 @@ class StepLoop:
                 self._pending.discard(future)
             if future.set_running_or_notify_cancel():
                 try:
-                    result = fn()
+                    future.set_result(fn())
                 except Exception as exc:  # reported to the caller, not raised here
                     future.set_exception(exc)
-                else:
-                    self.snapshot = self.engine.snapshot()  # before the caller hears back
-                    future.set_result(result)
 
         with self._lock:
             if self.fatal is not None:
@@ -106,7 +103,12 @@ class StepLoop:
         return self.call(lambda: self.engine.abort_request(request_id))
 
     def reconfigure(self, changes: dict[str, Any]) -> Future[list[str]]:
-        return self.call(lambda: self.engine.reconfigure(changes))
+        def apply() -> list[str]:
+            warnings = self.engine.reconfigure(changes)
+            self.snapshot = self.engine.snapshot()  # before the caller hears back
+            return warnings
+
+        return self.call(apply)
 
     # -- the step thread ---------------------------------------------------
     def _drain(self, wait_s: float | None) -> None:
@@ -139,7 +141,7 @@ class StepLoop:
             out = self.engine.step()
             self.busy_since_ns = 0
             if out is not None:
-                self.snapshot = self.engine.snapshot()
+                self.snapshot = self.engine.snapshot(out.counts)
                 self.iterations += 1
                 self.last_step_ns = time.perf_counter_ns()
                 self._publish(out)
