@@ -102,6 +102,7 @@ def test_the_table_covers_both_schemas():
     assert {f for f, rule in {**CHAT, **COMPLETIONS}.items() if rule != IMPLEMENTED} == set(NO_OP) == set(REFUSED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_every_field_is_honoured_or_refused_by_name(server, chat, stream):
@@ -177,6 +178,7 @@ def tiny():
     s.stop()
 
 
+@pytest.mark.slow
 def test_penalties_and_logit_bias_change_what_the_model_says(tiny):
     """A real model (the tiny random one) through the official client."""
     from openai import OpenAI
@@ -200,6 +202,7 @@ def test_penalties_and_logit_bias_change_what_the_model_says(tiny):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "presence_penalty"
 
 
+@pytest.mark.slow
 def test_logprobs_in_openai_shapes_streaming_and_not(tiny):
     from openai import OpenAI
     from websockets.sync.client import connect
@@ -253,6 +256,7 @@ def test_logprobs_in_openai_shapes_streaming_and_not(tiny):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 
+@pytest.mark.slow
 def test_n_choices_share_the_prompt_and_stream_interleaved(tiny):
     from openai import OpenAI
 
@@ -283,6 +287,7 @@ def test_n_choices_share_the_prompt_and_stream_interleaved(tiny):
     assert [c.index for c in chat.choices] == [0, 1] and all(len(c.logprobs.content) == 4 for c in chat.choices)
 
 
+@pytest.mark.slow
 def test_a_client_leaving_frees_every_choice(tiny):
     body = {"prompt": "one two", "max_tokens": 400, "n": 4, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", tiny.url + "/v1/completions", json=body, timeout=30) as r:

@@ -176,6 +176,7 @@ def test_invariants_hold_on_random_traces(specs, cfg, num_blocks, block_size):
             assert r.num_output_tokens == s.max_tokens or r.num_tokens == e.config.max_model_len
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(spec, min_size=1, max_size=10),

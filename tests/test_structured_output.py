@@ -25,6 +25,7 @@ def tiny():
     s.stop()
 
 
+@pytest.mark.slow
 def test_even_a_random_model_follows_the_schema(tiny):
     """The tiny model's weights are random: every valid document comes from the mask."""
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
@@ -36,6 +37,7 @@ def test_even_a_random_model_follows_the_schema(tiny):
         assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool) and 0 <= doc["n"] <= 9
 
 
+@pytest.mark.slow
 def test_json_object_streamed_and_over_the_websocket(tiny):
     from websockets.sync.client import connect
 
@@ -56,6 +58,7 @@ def test_json_object_streamed_and_over_the_websocket(tiny):
     assert "".join(f["text"] for f in frames if f["type"] == "token") == text  # same greedy path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "why"),
     [

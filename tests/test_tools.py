@@ -43,6 +43,7 @@ def client(server):
     return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_has_valid_arguments_even_from_a_random_model(tiny, choice):
     for seed in range(3):
@@ -66,6 +67,7 @@ def test_a_forced_call_has_valid_arguments_even_from_a_random_model(tiny, choice
             assert choice == "required" and call.function.name == "get_time"
 
 
+@pytest.mark.slow
 def test_streamed_call_deltas_reassemble_to_the_same_call(tiny):
     ask = dict(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0)
     whole = client(tiny).chat.completions.create(**ask).choices[0].message.tool_calls[0]
@@ -86,6 +88,7 @@ def test_streamed_call_deltas_reassemble_to_the_same_call(tiny):
     assert len([f for f in fragments if f]) > 2  # the arguments stream as they are generated
 
 
+@pytest.mark.slow
 def test_tool_results_go_back_to_the_model(tiny):
     """An assistant turn with tool_calls and the tool's answer render and run."""
     history = [
