@@ -76,9 +76,16 @@ def test_analysis_package_imports_no_torch():
         assert violations(module, ("torch", "gateway")) == []
 
 
+def test_routers_import_no_torch_and_no_ray():
+    """The routers run in the simulator and in the gateway process alike."""
+    for module in modules("core.cluster"):
+        assert violations(module, ("torch", "ray", "gateway", "kernels")) == []
+
+
 def test_plan_and_simulate_commands_run_without_torch():
     assert violations("cli", ("torch",), ("plan", "--json")) == []
     assert violations("cli", ("torch",), ("simulate", "--scenario", "burst", "--json")) == []
+    assert violations("cli", ("torch",), ("simulate", "--replicas", "2", "--conversations", "2", "--json")) == []
 
 
 def test_gateway_app_imports_no_torch():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, KeysView
 from dataclasses import dataclass
 
 from core import faults
@@ -121,6 +121,15 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def cached_hashes(self) -> KeysView[bytes]:
+        """Hashes of every block a prompt can hit (a live view: the router's digest)."""
+        return self._by_hash.keys()
+
+    def prompt_hashes(self, req: Request) -> list[bytes]:
+        """The hashes req's full prompt blocks will be cached under."""
+        self._extend_hashes(req, req.num_prompt_tokens)
+        return req.block_hashes[: req.num_prompt_tokens // self.block_size]
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Prefix-hit length req would get if admitted now (for the lpm policy)."""
