@@ -7,9 +7,14 @@ import gc
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cli.options import add_model_args, add_scheduler_args, model_settings, scheduler_config
+from core.cluster.router import ROUTERS
+
+if TYPE_CHECKING:
+    from core.sched.config import SchedulerConfig
+    from gateway.settings import GatewaySettings
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -47,6 +52,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     sim.add_argument("--sim", action="store_true", help="serve with the simulated runner")
     sim.add_argument("--sim-profile", type=Path, help="cost model from `stallfree profile`")
     sim.add_argument("--sim-time-scale", type=float, default=1.0, help="multiply simulated iteration times")
+    ro = sv.add_argument_group("scale-out on Ray Serve (this process stays the gateway: the cluster's ingress)")
+    ro.add_argument("--replicas", type=int, help="engine replicas (default: one engine in this process)")
+    ro.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    ro.add_argument("--ray-app", default="stallfree", help="Serve application name (default %(default)s)")
+    ro.add_argument("--router", default="cost", choices=ROUTERS, help="replica choice (default %(default)s)")
+    ro.add_argument("--stats-period-s", type=float, default=0.25, help="routing report period (default %(default)s)")
     return sv
 
 
@@ -74,6 +85,8 @@ def run(args: argparse.Namespace) -> None:
         drain_timeout_s=args.drain_timeout_s,
     )
     facts: dict[str, object] = {}
+    if args.replicas is not None:
+        return run_replicas(args, config, settings)
     if args.sim:
         from core.build import build_sim_engine
 
@@ -127,3 +140,52 @@ def run(args: argparse.Namespace) -> None:
     server.run()
     if client.fatal is not None:
         sys.exit(f"stallfree: the engine stopped: {client.fatal}")
+
+
+def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: GatewaySettings) -> None:
+    """The gateway here, N engines on Ray Serve replicas behind the router."""
+    from core.analysis.profiler import Profile
+    from core.model.gguf import GGUFFile
+    from core.model.loader import embedded_model_path
+    from core.model.tokenizer import Tokenizer
+    from gateway.engine_client import EngineClient
+    from gateway.serve import log_startup, make_server
+    from gateway.tracing import Tracing
+    from scaleout import app
+    from scaleout.remote import RemoteEngine
+    from scaleout.spec import ReplicaSpec
+
+    if args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    if args.model is not None and not args.model.endswith(".gguf"):
+        raise ValueError("--replicas serves the embedded model or a GGUF file")
+    if args.token_budget == "auto" or args.dynamic_chunking:
+        raise ValueError("--token-budget auto and --dynamic-chunking need a local engine (no --replicas)")
+    spec = ReplicaSpec(
+        config,
+        sim=args.sim,
+        sim_time_scale=args.sim_time_scale,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads or 1,
+        kv_cache_gib=args.kv_cache_gib,
+        stats_period_s=args.stats_period_s,
+    )
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(args.model or embedded_model_path()).metadata)
+    settings.model_name = args.model_name or ("stallfree-sim" if args.sim else "SmolLM2-135M-Instruct")
+    cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
+    app.start_ray(args.ray_address, args.replicas, spec.threads)
+    handle = app.deploy(spec, args.replicas, args.router, cost, args.ray_app)
+
+    def remote(client: EngineClient) -> RemoteEngine:
+        return RemoteEngine(handle, spec, args.replicas, tokenizer.vocab_size, client._on_step, client.on_replicas)
+
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    client = EngineClient(None, tokenizer, settings, Tracing.from_env(args.trace_iterations), args.log_text, remote)
+    server = make_server(client, args.host, args.port)
+    log_startup(client, replicas=args.replicas, router=args.router, runner="simulated" if args.sim else "torch")
+    try:
+        server.run()
+    finally:
+        app.shutdown(args.ray_app)

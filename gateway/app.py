@@ -45,6 +45,8 @@ async def readyz(request: Request) -> Response:
     client: EngineClient = request.app.state.client
     ready = client.ready and client.accepting
     body: dict[str, Any] = {"ready": ready, "in_flight": client.num_in_flight}
+    if client.replicas is not None:
+        body["replicas_ready"], body["replicas"] = client.replicas
     if client.fatal is not None:
         body["reason"] = client.fatal
     return JSONResponse(body, status_code=200 if ready else 503)

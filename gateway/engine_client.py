@@ -20,6 +20,7 @@ import anyio
 import structlog
 
 from core import faults
+from core.cluster.stats import ReplicaStats
 from core.model.tokenizer import Tokenizer
 from core.sched.engine import Engine, EngineSnapshot, RequestOutput, RequestRejected, StepOutput
 from core.sched.request import FinishReason, Request
@@ -38,13 +39,18 @@ log = structlog.get_logger(__name__)
 
 
 class EngineClient:
+    """``engine``: run it on this process's step thread; or ``remote``: build
+    the stand-in that drives engines elsewhere (``scaleout.remote``) from
+    this client's callbacks."""
+
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | None,
         tokenizer: Tokenizer,
         settings: GatewaySettings,
         tracing: Tracing | None = None,
         log_text: bool = False,
+        remote: Callable[[EngineClient], Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.settings = settings
@@ -54,7 +60,11 @@ class EngineClient:
         self.observers: list[Observer] = [self.metrics, self.telemetry, RequestLog(tokenizer, log_text)]
         if tracing is not None:
             self.observers.append(tracing)
-        self.step_loop = StepLoop(engine, self._on_step, self._on_fatal)
+        if remote is not None:
+            self.step_loop = remote(self)
+        else:
+            assert engine is not None
+            self.step_loop = StepLoop(engine, self._on_step, self._on_fatal)
         self.accepting = False
         self.fatal: str | None = None  # why the engine stopped for good, once it has
         self.on_fatal: Callable[[str], None] | None = None  # the server exits non-zero
@@ -103,9 +113,22 @@ class EngineClient:
         return len(self._streams)
 
     @property
+    def replicas(self) -> tuple[int, int] | None:
+        """(ready, configured) engine replicas when they run elsewhere; None for one local engine."""
+        ready = getattr(self.step_loop, "ready_replicas", None)
+        return None if ready is None else (ready, self.step_loop.replicas)
+
+    def on_replicas(self, stats: list[ReplicaStats]) -> None:
+        """The replicas' latest reports (scale-out), for the observers."""
+        self._observe(lambda obs: obs.on_replicas(stats))
+
+    @property
     def ready(self) -> bool:
-        """Step thread alive, and (with work in flight) iterating within the last 30 s."""
+        """Step thread alive, and (with work in flight) iterating within the last 30 s;
+        with replicas, at least one of them reporting."""
         if self.fatal is not None or not self.step_loop.alive:
+            return False
+        if self.replicas is not None and self.replicas[0] == 0:
             return False
         last = max(self.step_loop.last_step_ns, self._last_submit_ns)
         return not self._streams or time.perf_counter_ns() - last < 30e9

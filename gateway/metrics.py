@@ -3,12 +3,20 @@
 Histograms start at 1 ms, because vLLM's 10 ms smallest ITL bucket hides
 the tail on fast decodes; ``itl`` observes every gap, not per-request means.
 Each server owns its registry (several servers can live in one process).
+
+Beside stallfree's own names, the queue and KV gauges are also exported under
+the names Kubernetes' Gateway API Inference Extension (llm-d's endpoint
+picker) scrapes from a model server: ``vllm:num_requests_waiting``,
+``vllm:num_requests_running`` and ``vllm:gpu_cache_usage_perc`` /
+``vllm:kv_cache_usage_perc`` (0-1). With replicas (scale-out) the plain
+gauges are the sums and ``stallfree_replica_*`` carry each replica's.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
 
+from core.cluster.stats import ReplicaStats
 from core.sched.batch import IterationRecord
 from core.sched.config import CHUNKING_MODES
 from core.sched.engine import Counts
@@ -73,6 +81,20 @@ class Metrics(Observer):
         self.finished = Counter("stallfree_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.aborts = Counter("stallfree_aborts", "Requests aborted (cancel, disconnect, stop string)", registry=r)
         self.errors = Counter("stallfree_errors", "Errors returned to clients, by code", ["code"], registry=r)
+        self.gie_waiting = Gauge("vllm:num_requests_waiting", "Requests queued (Inference Extension name)", registry=r)
+        self.gie_running = Gauge("vllm:num_requests_running", "Requests running (Inference Extension name)", registry=r)
+        self.gie_kv = [
+            Gauge(name, "KV cache utilization, 0-1 (Inference Extension name)", registry=r)
+            for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+        ]
+        self.replica_requests = Gauge(
+            "stallfree_replica_requests", "Each replica's requests by state", ["replica", "state"], registry=r
+        )
+        self.replica_kv = Gauge(
+            "stallfree_replica_kv_usage", "Each replica's KV cache utilization, 0-1", ["replica"], registry=r
+        )
+        self.replicas_reporting = Gauge("stallfree_replicas_reporting", "Engine replicas reporting", registry=r)
+        self._replicas: set[str] = set()
         self.slow_consumers = Counter(
             "stallfree_slow_consumer_cutoffs", "Streams cut off because their reader fell behind", registry=r
         )
@@ -91,6 +113,24 @@ class Metrics(Observer):
         self.kv_blocks.labels("used").set(c.kv_used_blocks)
         self.kv_blocks.labels("free").set(c.kv_free_blocks)
         self.kv_blocks.labels("cached").set(c.kv_cached_blocks)
+        self.gie_waiting.set(c.waiting)
+        self.gie_running.set(c.running)
+        total = c.kv_used_blocks + c.kv_free_blocks
+        for gauge in self.gie_kv:
+            gauge.set(c.kv_used_blocks / total if total else 0.0)
+
+    def on_replicas(self, stats: list[ReplicaStats]) -> None:
+        names = {s.replica for s in stats}
+        for gone in self._replicas - names:
+            self.replica_kv.remove(gone)
+            for state in ("running", "waiting"):
+                self.replica_requests.remove(gone, state)
+        self._replicas = names
+        for s in stats:
+            self.replica_requests.labels(s.replica, "running").set(s.running)
+            self.replica_requests.labels(s.replica, "waiting").set(s.waiting)
+            self.replica_kv.labels(s.replica).set(s.kv_utilization)
+        self.replicas_reporting.set(len(stats))
 
     def on_tokens(self, request_id: str, count: int, emit_ns: int, gap_ns: int | None, stalled: bool) -> None:
         self.generation_tokens.inc(count)

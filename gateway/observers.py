@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from core.cluster.stats import ReplicaStats
 from core.model.tokenizer import Tokenizer
 from core.sched.batch import IterationRecord
 from core.sched.engine import Counts
@@ -39,6 +40,9 @@ class Observer:
 
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         """The request ended; its timeline has the engine's timestamps."""
+
+    def on_replicas(self, stats: list[ReplicaStats]) -> None:
+        """Each engine replica's latest report (scale-out only), a few times a second."""
 
 
 class RequestLog(Observer):

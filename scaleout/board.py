@@ -1,0 +1,59 @@
+"""The gateway process's view of the replicas, as their last reports said.
+
+Serve's router (``scaleout.router``) posts each replica's routing report
+here; ``RemoteEngine`` reads it for counts, readiness, metrics and the
+dashboard's iterations.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.request_router import RunningReplica
+
+from core.cluster.router import Router
+from core.cluster.stats import ReplicaStats
+from core.sched.batch import IterationRecord
+
+PLACED_KEPT = 65536  # request -> replica entries kept (choices of one prompt must meet on one replica)
+
+
+@dataclass(slots=True)
+class Board:
+    """Reports, and where each request went (for choices that must meet on one replica)."""
+
+    stats: dict[str, ReplicaStats] = field(default_factory=dict)
+    kv_used: dict[str, int] = field(default_factory=dict)
+    iterations: list[tuple[str, IterationRecord]] = field(default_factory=list)  # not yet shown
+    placed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # request id -> replica
+    router: Router | None = None
+
+    def report(self, replicas: list[RunningReplica]) -> None:
+        names = set()
+        for r in replicas:
+            name = r.replica_id.unique_id
+            names.add(name)
+            rs: dict[str, Any] = r.routing_stats or {}
+            stats = rs.get("stats")
+            if not isinstance(stats, ReplicaStats):
+                self.stats.setdefault(name, ReplicaStats(name))
+                continue
+            if stats.seq > self.stats.get(name, ReplicaStats(name)).seq:
+                self.stats[name] = stats
+                self.kv_used[name] = rs.get("kv_used_blocks", 0)
+                self.iterations += [(name, it) for it in rs.get("iterations", ())]
+        for gone in set(self.stats) - names:
+            del self.stats[gone]
+            self.kv_used.pop(gone, None)
+            if self.router is not None:
+                self.router.forget(gone)
+
+    def place(self, request_id: str, replica: str) -> None:
+        self.placed[request_id] = replica
+        while len(self.placed) > PLACED_KEPT:
+            self.placed.popitem(last=False)
+
+
+BOARD = Board()

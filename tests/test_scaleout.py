@@ -1,0 +1,248 @@
+"""Scale-out across Ray: the gateway in this process, two simulated engine
+replicas on a local Ray cluster (started once for the module)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from openai import OpenAI
+from websockets.asyncio.client import connect
+
+from core.sched.config import SchedulerConfig
+from gateway.engine_client import EngineClient
+from gateway.serve import make_server
+from gateway.settings import GatewaySettings
+from scaleout import app
+from scaleout.board import BOARD
+from scaleout.remote import RemoteEngine
+from scaleout.spec import ReplicaSpec
+from tests.test_gateway_ws import check_stream, collect, recv, send
+
+
+class RayCluster:
+    """Ray, 2 sim replicas behind the cost router, and the gateway on port 0."""
+
+    def __init__(self) -> None:
+        from core.build import build_sim_engine
+
+        _, self.tokenizer = build_sim_engine(SchedulerConfig(), kv_cache_gib=0.01)
+        self.spec = ReplicaSpec(
+            SchedulerConfig(max_num_seqs=64, token_budget=512),
+            sim=True,
+            sim_time_scale=0.05,
+            kv_cache_gib=0.5,
+            stats_period_s=0.1,
+        )
+        app.start_ray(None, 2, 1)
+        handle = app.deploy(self.spec, 2, "cost")
+
+        def remote(client: EngineClient) -> RemoteEngine:
+            return RemoteEngine(handle, self.spec, 2, self.tokenizer.vocab_size, client._on_step, client.on_replicas)
+
+        self.client = EngineClient(None, self.tokenizer, GatewaySettings(), remote=remote)
+        self.server = make_server(self.client, "127.0.0.1", 0)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url, self.ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/stream"
+        self.wait_ready(2)
+
+    def readyz(self) -> dict:
+        return httpx.get(self.url + "/readyz", timeout=5).json()
+
+    def wait_ready(self, n: int, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while (body := self.readyz()).get("replicas_ready", 0) < n or not body["ready"]:
+            assert time.monotonic() < deadline, f"replicas not ready: {body}"
+            time.sleep(0.1)
+        return body
+
+    def kv_used(self) -> dict[str, int]:
+        return dict(BOARD.kv_used)
+
+    def wait_kv_baseline(self, timeout: float = 15.0) -> dict[str, int]:
+        """Each replica's used KV blocks once all are back to 0 (or as they stood at the deadline)."""
+        deadline = time.monotonic() + timeout
+        while any(self.kv_used().values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.kv_used()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        app.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = RayCluster()
+    yield c
+    c.stop()
+
+
+async def test_websocket_streams_through_a_replica(cluster):
+    async with connect(cluster.ws_url) as ws:
+        for i in range(4):
+            await send(ws, type="generate", id=f"g{i}", prompt=f"hello {i}", max_tokens=12, ignore_eos=True)
+        frames = await collect(ws, [f"g{i}" for i in range(4)])
+    for f in frames.values():
+        check_stream(f, 12)
+    assert {BOARD.placed[r] for r in ("ws-0", "ws-1", "ws-2", "ws-3") if r in BOARD.placed} <= set(BOARD.stats)
+
+
+def test_openai_api_through_a_replica(cluster):
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="none")
+    out = client.chat.completions.create(
+        model="stallfree-sim",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    chunks = list(
+        client.completions.create(
+            model="stallfree-sim", prompt="count", max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 6
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_repeated_long_system_prompt_lands_where_it_is_cached(cluster):
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="none")
+    system = "You are a careful assistant. " * 120  # about 700 tokens
+    usages = []
+    for question in ("first?", "second?", "third?", "fourth?"):
+        out = client.chat.completions.create(
+            model="stallfree-sim",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=4,
+        )
+        usages.append(out.usage)
+        time.sleep(0.3)  # a report or two: the router then sees the blocks cached, not only sent
+    placed = [BOARD.placed[rid] for rid in list(BOARD.placed)[-4:]]
+    assert len(set(placed)) == 1, placed
+    assert all(u.prompt_tokens_details.cached_tokens >= u.prompt_tokens - 32 for u in usages[1:])
+
+
+async def test_cancel_and_disconnect_across_the_hop_free_kv_on_the_replica(cluster):
+    async with connect(cluster.ws_url) as ws:
+        await send(ws, type="generate", id="long", prompt="x " * 300, max_tokens=5000, ignore_eos=True)
+        assert (await recv(ws))["type"] == "accepted"
+        assert (await recv(ws))["type"] == "token"
+        await asyncio.sleep(0.3)  # a report after it started
+        assert sum(cluster.kv_used().values()) > 0
+        await send(ws, type="cancel", id="long")
+        frames = (await collect(ws, ["long"]))["long"]
+        assert frames[-1]["finish_reason"] == "cancelled"
+    # far sooner than the 5,000 tokens would take: the abort reached the replica
+    assert cluster.wait_kv_baseline(timeout=3) == dict.fromkeys(BOARD.stats, 0)
+    ws = await connect(cluster.ws_url)
+    for i in range(3):
+        await send(ws, type="generate", id=f"d{i}", prompt="y " * 200, max_tokens=7000, ignore_eos=True)
+    seen = 0
+    while seen < 6:
+        seen += (await recv(ws))["type"] == "token"
+    await ws.close()
+    assert cluster.wait_kv_baseline(timeout=3) == dict.fromkeys(BOARD.stats, 0)
+
+
+def test_metrics_are_per_replica_and_summed_with_inference_extension_names(cluster):
+    text = httpx.get(cluster.url + "/metrics", timeout=5).text
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        "stallfree_replicas_reporting 2.0",
+    ):
+        assert name in text
+    per_replica = [line for line in text.splitlines() if line.startswith("stallfree_replica_kv_usage{")]
+    assert len(per_replica) == 2
+    assert cluster.readyz()["replicas"] == 2
+
+
+async def test_a_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
+    async with connect(cluster.ws_url) as ws:
+        await send(ws, type="generate", id="victim", prompt="z " * 100, max_tokens=7000, ignore_eos=True)
+        assert (await recv(ws))["type"] == "accepted"
+        assert (await recv(ws))["type"] == "token"
+        victim_replica = next(r for rid, r in reversed(BOARD.placed.items()) if rid.startswith("ws-"))
+        names = ray.util.list_named_actors(all_namespaces=True)
+        actor = next(a for a in names if victim_replica in a["name"])
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        frames = (await collect(ws, ["victim"]))["victim"]
+        assert frames[-1]["type"] == "error" and frames[-1]["code"] == "internal"
+        # new requests keep being served meanwhile (by the survivor, or retried there)
+        await send(ws, type="generate", id="after", prompt="still there?", max_tokens=5, ignore_eos=True)
+        check_stream((await collect(ws, ["after"]))["after"], 5)
+    body = cluster.wait_ready(2, timeout=90)
+    assert victim_replica not in BOARD.stats and body["replicas_ready"] == 2
+    assert cluster.wait_kv_baseline() == dict.fromkeys(BOARD.stats, 0)
+
+
+async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_elsewhere(cluster):
+    cluster.wait_ready(2, timeout=90)
+    async with connect(cluster.ws_url) as ws:
+        before = set(BOARD.placed)
+        # a prompt long enough that its prefill outlasts the kill
+        await send(ws, type="generate", id="early", prompt="w " * 7000, max_tokens=4, ignore_eos=True)
+        accepted = await recv(ws)
+        assert accepted["type"] == "accepted"
+        deadline = time.monotonic() + 2
+        while not (new := [rid for rid in BOARD.placed if rid not in before]):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        request_id, first = new[0], BOARD.placed[new[0]]
+        names = ray.util.list_named_actors(all_namespaces=True)
+        actor = next(a for a in names if first in a["name"])
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        check_stream([accepted, *(await collect(ws, ["early"]))["early"]], 4)
+        assert BOARD.placed[request_id] != first
+    cluster.wait_ready(2, timeout=90)
+
+
+@pytest.mark.slow
+async def test_serve_replicas_command_streams_and_drains_on_sigterm(cluster):
+    """``stallfree serve --sim --replicas 2`` joins this module's Ray cluster,
+    serves, and on SIGTERM lets the in-flight stream finish before exiting 0."""
+    from tests.server import ServerProcess
+
+    address = ray.get_runtime_context().gcs_address
+    proc = ServerProcess(
+        "--sim",
+        "--sim-time-scale",
+        "0.05",
+        "--replicas",
+        "2",
+        "--ray-address",
+        address,
+        "--ray-app",
+        "cli-test",
+        "--kv-cache-gib",
+        "0.25",
+        "--drain-timeout-s",
+        "20",
+    )
+    try:
+        async with connect(proc.ws_url) as ws:
+            await send(ws, type="generate", id="drain", prompt="finish me", max_tokens=300, ignore_eos=True)
+            assert (await recv(ws))["type"] == "accepted"
+            proc.proc.terminate()
+            frames = (await collect(ws, ["drain"]))["drain"]
+        assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "length"
+        # uvicorn re-raises the signal once drained; Ray's driver handler turns it into exit status 15
+        assert proc.proc.wait(60) in (0, 15, -15)
+        assert "cli-test" not in ray.serve.status().applications
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
