@@ -178,11 +178,16 @@ def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: Ga
     app.start_ray(args.ray_address, args.replicas, spec.threads)
     handle = app.deploy(spec, args.replicas, args.router, cost, args.ray_app)
 
+    tracing = Tracing.from_env(args.trace_iterations)
+
     def remote(client: EngineClient) -> RemoteEngine:
-        return RemoteEngine(handle, spec, args.replicas, tokenizer.vocab_size, client._on_step, client.on_replicas)
+        traceparent = tracing.traceparent if tracing is not None else (lambda request_id: None)
+        return RemoteEngine(
+            handle, spec, args.replicas, tokenizer.vocab_size, client._on_step, client.on_replicas, traceparent
+        )
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    client = EngineClient(None, tokenizer, settings, Tracing.from_env(args.trace_iterations), args.log_text, remote)
+    client = EngineClient(None, tokenizer, settings, tracing, args.log_text, remote)
     server = make_server(client, args.host, args.port)
     log_startup(client, replicas=args.replicas, router=args.router, runner="simulated" if args.sim else "torch")
     try:

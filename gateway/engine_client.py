@@ -275,7 +275,7 @@ class EngineClient:
 
     def _fan_out(self, out: StepOutput) -> None:
         it = out.iteration
-        emit_ns = it.end_ns if it is not None else time.perf_counter_ns()
+        emit_ns = out.emit_ns or (it.end_ns if it is not None else time.perf_counter_ns())
         self._observe(lambda obs: obs.on_counts(out.counts))
         if it is not None:
             self._observe(lambda obs: obs.on_iteration(it))

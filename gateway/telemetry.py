@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
+from core.cluster.stats import ReplicaStats
 from core.sched.batch import IterationRecord
 from core.sched.request import FinishReason, Request
 from core.sched.timings import percentile
@@ -33,6 +34,7 @@ class Telemetry(Observer):
         self._window: deque[tuple[int, float]] = deque(maxlen=20_000)  # (t ns, gap ms)
         self._slots: dict[str, int] = {}
         self._last: IterationRecord | None = None
+        self._replicas: list[ReplicaStats] = []  # scale-out: each replica's latest report
 
     def _ms(self, ns: int) -> float:
         return round((ns - self._t0) / 1e6, 2)
@@ -77,6 +79,31 @@ class Telemetry(Observer):
             ]
         )
 
+    def on_replicas(self, stats: list[ReplicaStats]) -> None:
+        self._replicas = stats
+
+    def _state(self) -> dict[str, int]:
+        """Queue and KV counts: the last iteration's, or with replicas the sums of their reports."""
+        if self._replicas:
+            rs = self._replicas
+            return {
+                "running": sum(r.running for r in rs),
+                "waiting": sum(r.waiting for r in rs),
+                "partial_prefills": sum(r.partial_prefills for r in rs),
+                "kv_used": sum(r.kv_blocks - r.kv_free_blocks for r in rs),
+                "kv_cached": sum(r.kv_cached_blocks for r in rs),
+                "kv_free": sum(r.kv_free_blocks for r in rs),
+            }
+        it = self._last
+        return {
+            "running": it.num_running if it else 0,
+            "waiting": it.num_waiting if it else 0,
+            "partial_prefills": it.num_partial_prefills if it else 0,
+            "kv_used": it.kv_used_blocks if it else 0,
+            "kv_cached": it.kv_cached_blocks if it else 0,
+            "kv_free": it.kv_free_blocks if it else 0,
+        }
+
     def frame(self, config: dict[str, Any]) -> dict[str, Any]:
         """Everything since the previous frame, plus rolling gap statistics."""
         now = time.perf_counter_ns()
@@ -84,8 +111,7 @@ class Telemetry(Observer):
         while self._window and self._window[0][0] < horizon:
             self._window.popleft()
         gaps = [g for _, g in self._window]
-        it = self._last
-        frame = {
+        frame: dict[str, Any] = {
             "type": "telemetry",
             "t": self._ms(now),
             "gaps": self._gaps,
@@ -98,15 +124,19 @@ class Telemetry(Observer):
                 "count": len(gaps),
                 "window_s": WINDOW_S,
             },
-            "state": {
-                "running": it.num_running if it else 0,
-                "waiting": it.num_waiting if it else 0,
-                "partial_prefills": it.num_partial_prefills if it else 0,
-                "kv_used": it.kv_used_blocks if it else 0,
-                "kv_cached": it.kv_cached_blocks if it else 0,
-                "kv_free": it.kv_free_blocks if it else 0,
-                **config,
-            },
+            "state": {**self._state(), **config},
         }
+        if self._replicas:
+            frame["replicas"] = [
+                {
+                    "replica": r.replica,
+                    "running": r.running,
+                    "waiting": r.waiting,
+                    "kv_used": r.kv_blocks - r.kv_free_blocks,
+                    "kv_cached": r.kv_cached_blocks,
+                    "kv_blocks": r.kv_blocks,
+                }
+                for r in self._replicas
+            ]
         self._gaps, self._iterations, self._ttfts = [], [], []
         return frame

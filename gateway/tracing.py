@@ -95,6 +95,15 @@ class Tracing(Observer):
         )
         self._roots[req.request_id] = span
 
+    def traceparent(self, request_id: str) -> str | None:
+        """The W3C traceparent of a request's root span, for work done elsewhere (a replica)."""
+        root = self._roots.get(request_id)
+        if root is None:
+            return None
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, trace.set_span_in_context(root))
+        return carrier.get("traceparent")
+
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         root = self._roots.pop(req.request_id, None)
         if root is None:

@@ -23,7 +23,7 @@ def start_ray(ray_address: str | None, replicas: int, threads: int) -> None:
         ray.init(address=ray_address, runtime_env=env, log_to_driver=False)
     else:
         cpus = max(os.cpu_count() or 1, replicas * threads)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=env)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=env)
 
 
 def deploy(spec: ReplicaSpec, replicas: int, router: str, cost: CostModel | None = None, name: str = APP_NAME) -> Any:

@@ -45,10 +45,14 @@ class Board:
                 self.kv_used[name] = rs.get("kv_used_blocks", 0)
                 self.iterations += [(name, it) for it in rs.get("iterations", ())]
         for gone in set(self.stats) - names:
-            del self.stats[gone]
-            self.kv_used.pop(gone, None)
-            if self.router is not None:
-                self.router.forget(gone)
+            self.forget(gone)
+
+    def forget(self, replica: str) -> None:
+        """A replica is gone (until a new report says otherwise)."""
+        self.stats.pop(replica, None)
+        self.kv_used.pop(replica, None)
+        if self.router is not None:
+            self.router.forget(replica)
 
     def place(self, request_id: str, replica: str) -> None:
         self.placed[request_id] = replica

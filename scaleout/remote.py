@@ -1,11 +1,14 @@
 """The step loop's stand-in at the gateway when engines run on Ray replicas.
 
 ``EngineClient`` drives it exactly as it drives ``StepLoop``: ``submit``,
-``abort``, ``reconfigure``, ``snapshot``. Each request becomes one task that
-streams its replica's per-iteration messages into the client's fan-out. A
-replica that dies before the request's first token gets it retried on
-another; after that the stream ends with an error. Cancelling a request
-cancels its stream, which aborts it on the replica (KV freed there).
+``abort``, ``reconfigure``, ``snapshot``. A request goes to a replica by one
+call (``submit``, placed by the router); its outputs come back over that
+replica's feed, which this process opens once per replica and which carries
+one message per iteration for all of its requests there, handed to the
+client's fan-out as the step thread's output would be.
+
+A replica that dies takes its feed down: its requests that had no token yet
+are submitted again (to another replica), the others end with an error.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
@@ -27,18 +32,28 @@ from core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput,
 from core.sched.request import FinishReason, Request, RequestStatus
 from scaleout.board import BOARD
 from scaleout.clock import shift, wall_offset_ns
-from scaleout.spec import Job, ReplicaSpec
+from scaleout.spec import Abort, Feed, FeedMessage, Job, ReplicaSpec
 
 log = structlog.get_logger(__name__)
 
-RETRIES = 2  # replicas tried again for a request whose replica died before its first token
-PUBLISH_PERIOD_S = 0.2  # replicas' iterations and counts to the observers
+RETRIES = 2  # submissions again of a request whose replica died before its first token
+PUBLISH_PERIOD_S = 0.2  # replicas' iterations and counts to the observers; feeds opened
 
 
 def _done(value: Any) -> Future[Any]:
     f: Future[Any] = Future()
     f.set_result(value)
     return f
+
+
+@dataclass(slots=True)
+class _InFlight:
+    request: Request
+    arrival_ns: int  # here, when the client's request came in
+    replica: str | None = None  # where it was accepted
+    tokens: int = 0
+    attempts: int = 0
+    cancelled: bool = False
 
 
 class RemoteEngine:
@@ -50,19 +65,24 @@ class RemoteEngine:
         vocab_size: int,
         on_step: Callable[[StepOutput], None],
         on_replicas: Callable[[list[ReplicaStats]], None],
+        traceparent: Callable[[str], str | None] = lambda request_id: None,
     ) -> None:
-        self.handle = handle.options(stream=True, method_name="generate")
+        self.handle = handle
         self.replicas = replicas
         self.config, self.warnings = spec.scheduler.validated()
         self.config_version = 0
         self.vocab_size = vocab_size
         self.on_step = on_step
         self.on_replicas = on_replicas
+        self.traceparent = traceparent  # the request's root span, which the replica's span joins
+        self.ingress = uuid.uuid4().hex  # this gateway, to the replicas
         self.last_step_ns = 0
         self.busy_since_ns = 0  # iterations run on the replicas; none ever hangs this process
         self.alive = True
         self._offset = wall_offset_ns()
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        self._feeds: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._publisher: asyncio.Task[None] | None = None
 
     # -- the StepLoop surface ----------------------------------------------
@@ -71,7 +91,7 @@ class RemoteEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.alive = False
-        for task in [*self._tasks.values(), *([self._publisher] if self._publisher else [])]:
+        for task in [*self._feeds.values(), *self._tasks, *([self._publisher] if self._publisher else [])]:
             task.cancel()
 
     @property
@@ -83,7 +103,8 @@ class RemoteEngine:
 
     @property
     def ready_replicas(self) -> int:
-        return sum(1 for s in BOARD.stats.values() if s.seq > 0)
+        """Replicas reporting whose feed is open."""
+        return sum(1 for s in BOARD.stats.values() if s.seq > 0 and s.replica in self._feeds)
 
     def counts(self) -> Counts:
         stats = list(BOARD.stats.values())
@@ -98,74 +119,135 @@ class RemoteEngine:
 
     def submit(self, req: Request) -> Future[None]:
         check_request(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.vocab_size)
-        self._tasks[req.request_id] = asyncio.get_running_loop().create_task(self._stream(req))
+        self._inflight[req.request_id] = _InFlight(req, req.arrival_ns)
+        self._spawn(self._submit(req.request_id))
         return _done(None)
 
     def abort(self, request_id: str) -> Future[bool]:
-        task = self._tasks.get(request_id)
-        if task is not None:
-            task.cancel()
-        return _done(task is not None)
+        f = self._inflight.get(request_id)
+        if f is None:
+            return _done(False)
+        f.cancelled = True
+        if f.replica is not None:  # else: aborted as soon as a replica accepts it
+            self._spawn(self._abort(request_id, f.replica))
+        return _done(True)
 
     def reconfigure(self, changes: dict[str, Any]) -> Future[list[str]]:
         self.config, warnings = self.config.with_changes(changes)
         self.config_version += 1  # each replica applies it before its next request
         return _done(warnings)
 
-    # -- one request ---------------------------------------------------------
-    async def _stream(self, req: Request) -> None:
-        arrival = req.arrival_ns
-        job = Job(req, self.config, self.config_version)
-        tokens = 0
-        stream: DeploymentResponseGenerator[RequestOutput] | None = None
+    # -- requests ------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _submit(self, request_id: str) -> None:
+        f = self._inflight[request_id]
+        job = Job(f.request, self.ingress, self.config, self.config_version, self.traceparent(request_id))
+        while True:
+            try:
+                f.replica = await self.handle.options(method_name="submit").remote(job)
+                break
+            except (RayActorError, DeploymentUnavailableError) as exc:
+                if f.attempts >= RETRIES:
+                    return self._end(request_id, FinishReason.ERROR, f"no replica took it: {exc!r}")
+                f.attempts += 1
+                await asyncio.sleep(0.2 * f.attempts)
+            except Exception as exc:  # refused there (a bug: the checks here passed)
+                return self._end(request_id, FinishReason.ERROR, f"the replica refused it: {exc!r}")
+        if f.cancelled:
+            await self._abort(request_id, f.replica)
+
+    async def _abort(self, request_id: str, replica: str) -> None:
         try:
-            for attempt in range(RETRIES + 1):
-                try:
-                    stream = cast(DeploymentResponseGenerator, self.handle.remote(job))
-                    async for out in stream:
-                        tokens += len(out.new_token_ids)
-                        self._deliver(out, arrival)
-                        if out.finish_reason is not None:
-                            return
-                    raise RuntimeError("the replica's stream ended without a finish")
-                except (RayActorError, DeploymentUnavailableError) as exc:
-                    if tokens or attempt == RETRIES:
-                        raise
-                    log.warning(
-                        "replica_lost_retrying", request_id=req.request_id, attempt=attempt + 1, error=repr(exc)
-                    )
-                    await asyncio.sleep(0.2 * (attempt + 1))
-        except asyncio.CancelledError:
-            if stream is not None:
-                stream.cancel()  # the replica's generator is cancelled: it aborts the request there
-            self._end(req, FinishReason.ABORT)
-        except Exception as exc:
-            log.error("replica_stream_failed", request_id=req.request_id, tokens=tokens, error=repr(exc))
-            self._end(req, FinishReason.ERROR)
-        finally:
-            self._tasks.pop(req.request_id, None)
+            await self.handle.options(method_name="abort").remote(Abort(request_id, replica))
+        except Exception as exc:  # the replica is gone: its feed's end settles the request
+            log.warning("abort_failed", request_id=request_id, replica=replica, error=repr(exc))
 
-    def _deliver(self, out: RequestOutput, arrival_ns: int) -> None:
-        if out.request is not None:  # finished: its timeline onto this process's clock
-            tl = out.request.timeline
-            shift(tl, -self._offset)
-            tl.arrival_ns = arrival_ns  # the client's wait includes the hop
-        self.last_step_ns = time.perf_counter_ns()
-        self.on_step(StepOutput(None, [out], self.counts()))
-
-    def _end(self, req: Request, reason: FinishReason) -> None:
-        """The request ends here, not on a replica (cancelled, or its replica failed)."""
+    def _end(self, request_id: str, reason: FinishReason, why: str) -> None:
+        """The request ends here, not on a replica (its replica failed)."""
+        f = self._inflight.pop(request_id, None)
+        if f is None:
+            return
+        log.error("replica_request_failed", request_id=request_id, tokens=f.tokens, reason=why)
+        req = f.request
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         req.timeline.finished_ns = time.perf_counter_ns()
-        self.on_step(StepOutput(None, [RequestOutput(req.request_id, [], reason, req)], self.counts()))
+        self.on_step(StepOutput(None, [RequestOutput(request_id, [], reason, req)], self.counts()))
+
+    # -- feeds -----------------------------------------------------------------
+    async def _feed(self, replica: str) -> None:
+        try:
+            stream = cast(
+                DeploymentResponseGenerator[FeedMessage],
+                self.handle.options(stream=True, method_name="feed").remote(Feed(self.ingress, replica)),
+            )
+            async for message in stream:
+                for outputs, emit_wall_ns in message:
+                    self._deliver(outputs, emit_wall_ns - self._offset)
+            reason = "its feed ended"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = repr(exc)
+        finally:
+            self._feeds.pop(replica, None)
+        self._replica_lost(replica, reason)
+
+    def _deliver(self, outputs: list[RequestOutput], emit_ns: int) -> None:
+        known = []
+        for out in outputs:
+            f = self._inflight.get(out.request_id)
+            if f is None:
+                continue
+            f.tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                del self._inflight[out.request_id]
+                if out.request is not None:  # its timeline onto this process's clock
+                    tl = out.request.timeline
+                    shift(tl, -self._offset)
+                    tl.arrival_ns = f.arrival_ns  # the client's wait includes the hop
+            known.append(out)
+        self.last_step_ns = time.perf_counter_ns()
+        if known:
+            self.on_step(StepOutput(None, known, self.counts(), emit_ns))
+
+    def _replica_lost(self, replica: str, reason: str) -> None:
+        log.warning("replica_lost", replica=replica, reason=reason)
+        BOARD.forget(replica)
+        for request_id, f in list(self._inflight.items()):
+            if f.replica != replica:
+                continue
+            if f.tokens == 0 and not f.cancelled and f.attempts < RETRIES:
+                f.replica, f.attempts = None, f.attempts + 1
+                log.warning("replica_lost_retrying", request_id=request_id, attempt=f.attempts)
+                self._spawn(self._submit(request_id))
+            else:
+                self._end(request_id, FinishReason.ERROR, f"replica {replica} lost: {reason}")
+
+    async def _ping(self) -> None:
+        try:
+            await self.handle.options(method_name="ping").remote()
+        except Exception as exc:
+            log.warning("replicas_unreachable", error=repr(exc))
 
     # -- the replicas' reports -------------------------------------------------
     async def _publish(self) -> None:
         while True:
-            await asyncio.sleep(PUBLISH_PERIOD_S)
+            if not BOARD.stats:  # Serve starts a handle's router, which posts the reports, on its first call
+                self._spawn(self._ping())
+            for replica in BOARD.stats:
+                if replica not in self._feeds:
+                    self._feeds[replica] = asyncio.get_running_loop().create_task(self._feed(replica))
+            for replica in set(self._feeds) - set(BOARD.stats):  # gone without its feed noticing
+                self._feeds.pop(replica).cancel()
+                self._replica_lost(replica, "no longer reported")
             iterations, BOARD.iterations = BOARD.iterations, []
             counts = self.counts()
             for _, it in iterations:
                 it = dataclasses.replace(it, start_ns=it.start_ns - self._offset, end_ns=it.end_ns - self._offset)
                 self.on_step(StepOutput(it, [], counts))
             self.on_replicas(sorted(BOARD.stats.values(), key=lambda s: s.replica))
+            await asyncio.sleep(PUBLISH_PERIOD_S)

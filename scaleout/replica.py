@@ -1,10 +1,15 @@
 """One engine replica: the engine and its step thread inside a Ray Serve replica.
 
-``generate`` is a streaming method: one message per iteration that produced
-something for the request (a ``RequestOutput``: that iteration's token, or
-the finish), never one per token. When the ingress cancels the stream (the
-client left, or asked to cancel), the generator is cancelled here and the
-request is aborted in the engine, which frees its KV blocks.
+An ingress (the gateway) opens one ``feed`` per replica: a stream carrying,
+per iteration, every output of its requests there (``RequestOutput``s: that
+iteration's tokens, or finishes), with the wall-clock time the iteration
+ended: one message per iteration, never one per token or per request.
+Requests come in by ``submit`` and leave early by ``abort`` (KV freed here);
+a feed that closes (the ingress went away) aborts its requests.
+
+With an OTLP endpoint in its environment, a replica adds one
+``engine.replica`` span per request under the request's root span (its
+traceparent comes with the request), so a trace shows where it ran.
 
 Serve calls ``record_routing_stats`` periodically: the router's view of this
 replica (``ReplicaStats``) plus the iterations since the last call, which the
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,12 +30,29 @@ import structlog
 from core.cluster.stats import engine_stats
 from core.sched.batch import IterationRecord
 from core.sched.engine import Engine, RequestOutput, StepOutput
-from core.sched.request import Timeline
+from core.sched.request import Request, Timeline
 from core.sched.step_loop import StepLoop
 from scaleout.clock import shift, wall_offset_ns
-from scaleout.spec import Job, ReplicaSpec
+from scaleout.spec import Abort, Feed, FeedMessage, Job, ReplicaSpec
 
 log = structlog.get_logger(__name__)
+
+
+def replica_tracer() -> Any:
+    """A tracer exporting where the gateway's does (the OTEL_* variables), or None."""
+    from gateway.tracing import exporter_from_env
+
+    exporter = exporter_from_env()
+    if exporter is None:
+        return None
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    service = os.environ.get("OTEL_SERVICE_NAME", "stallfree")
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: f"{service}-replica"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider.get_tracer("stallfree.replica")
 
 
 def build(spec: ReplicaSpec) -> Engine:
@@ -60,57 +83,108 @@ class EngineReplica:
         self.wall_offset = wall_offset_ns()
         self.config_version = 0
         self.fatal: str | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._feeds: dict[str, asyncio.Queue[tuple[list[RequestOutput], int]]] = {}  # by ingress
+        self._jobs: dict[str, Job] = {}  # running here, by request id
         self._iterations: collections.deque[IterationRecord] = collections.deque(maxlen=2048)
         self._reports = 0
         self._aio: asyncio.AbstractEventLoop | None = None
+        self.tracer = replica_tracer()
         self.step_loop = StepLoop(self.engine, self._on_step, self._on_fatal)
         self.step_loop.start()
         log.info("replica_started", replica=self.name, kv_blocks=self.engine.kv.num_blocks)
 
-    # -- requests (the replica's event loop) --------------------------------
-    async def generate(self, job: Job) -> AsyncIterator[RequestOutput]:
+    # -- the ingress's calls (the replica's event loop) -----------------------
+    async def feed(self, feed: Feed) -> AsyncIterator[FeedMessage]:
+        """The ingress's outputs from here on, one message per iteration (or
+        what piled up since the last one). When the ingress goes away its
+        requests here are aborted."""
         self._aio = asyncio.get_running_loop()
+        queue = self._feeds.setdefault(feed.ingress, asyncio.Queue())
+        try:
+            while True:
+                message = [await queue.get()]
+                while not queue.empty():
+                    message.append(queue.get_nowait())
+                yield message
+        finally:
+            del self._feeds[feed.ingress]
+            for job in [j for j in self._jobs.values() if j.ingress == feed.ingress]:
+                self.step_loop.abort(job.request.request_id)
+
+    async def submit(self, job: Job) -> str:
+        """Queue a request; its outputs go to its ingress's feed. Returns this replica's name."""
+        self._aio = asyncio.get_running_loop()
+        self._feeds.setdefault(job.ingress, asyncio.Queue())
         if job.config_version > self.config_version:
             self.config_version = job.config_version
             await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
         req = job.request
         req.arrival_ns = time.perf_counter_ns()  # this replica's clock; the ingress restores its own arrival
         req.timeline = Timeline(arrival_ns=req.arrival_ns)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[req.request_id] = queue
-        finished = False
+        self._jobs[req.request_id] = job
         try:
             await asyncio.wrap_future(self.step_loop.submit(req))
-            while True:
-                out = await queue.get()
-                if out.request is not None:
-                    shift(out.request.timeline, self.wall_offset)  # onto the wall clock for the trip
-                finished = out.finish_reason is not None
-                yield out
-                if finished:
-                    return
-        finally:
-            self._queues.pop(req.request_id, None)
-            if not finished:  # cancelled across the hop: free its KV here
-                self.step_loop.abort(req.request_id)
+        except BaseException:
+            self._jobs.pop(req.request_id, None)
+            raise
+        return self.name
 
-    def _set_config(self, job: Job) -> None:
-        self.engine.scheduler.config = job.config
-        self.step_loop.snapshot = self.engine.snapshot()
+    async def ping(self) -> str:
+        """A call any replica answers: it makes the gateway's handle start its router."""
+        return self.name
+
+    async def abort(self, abort: Abort) -> bool:
+        """Abort a request here (its KV freed); the finish goes out on the feed."""
+        return await asyncio.wrap_future(self.step_loop.abort(abort.request_id))
 
     # -- step thread -> replica event loop ----------------------------------
     def _on_step(self, out: StepOutput) -> None:
         if out.iteration is not None:
             self._iterations.append(out.iteration)
+        emit_ns = out.iteration.end_ns if out.iteration is not None else time.perf_counter_ns()
         if self._aio is not None and not self._aio.is_closed():
-            self._aio.call_soon_threadsafe(self._fan_out, out.outputs)
+            self._aio.call_soon_threadsafe(self._fan_out, out.outputs, emit_ns + self.wall_offset)
 
-    def _fan_out(self, outputs: list[RequestOutput]) -> None:
+    def _fan_out(self, outputs: list[RequestOutput], emit_wall_ns: int) -> None:
+        """One iteration's outputs, split by ingress onto their feeds."""
+        by_ingress: dict[str, list[RequestOutput]] = {}
         for o in outputs:
-            queue = self._queues.get(o.request_id)
+            job = self._jobs.get(o.request_id)
+            if job is None:
+                continue
+            if o.finish_reason is not None:
+                del self._jobs[o.request_id]
+                if o.request is not None:
+                    shift(o.request.timeline, self.wall_offset)  # onto the wall clock for the trip
+                    self._trace(o.request, job.traceparent)
+            by_ingress.setdefault(job.ingress, []).append(o)
+        for ingress, outs in by_ingress.items():
+            queue = self._feeds.get(ingress)
             if queue is not None:
-                queue.put_nowait(o)
+                queue.put_nowait((outs, emit_wall_ns))
+
+    def _trace(self, req: Request, traceparent: str | None) -> None:
+        """This replica's span of the request (its timeline is on the wall clock by now)."""
+        if self.tracer is None or traceparent is None:
+            return
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        tl = req.timeline
+        parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+        span = self.tracer.start_span("engine.replica", parent, start_time=tl.arrival_ns)
+        span.set_attributes(
+            {
+                "stallfree.replica": self.name,
+                "stallfree.chunks": len(tl.chunks),
+                "stallfree.cached_tokens": req.num_cached_tokens,
+                "gen_ai.usage.output_tokens": req.num_output_tokens,
+            }
+        )
+        span.end(tl.finished_ns or tl.arrival_ns)
+
+    def _set_config(self, job: Job) -> None:
+        self.engine.scheduler.config = job.config
+        self.step_loop.snapshot = self.engine.snapshot()
 
     def _on_fatal(self, reason: str) -> None:
         self.fatal = reason  # check_health fails: Serve replaces this replica

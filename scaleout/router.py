@@ -1,7 +1,8 @@
 """stallfree's router inside Ray Serve's request-router API.
 
 Serve runs the router in the process holding the deployment handle, i.e. the
-gateway: ``choose_replicas`` hashes the prompt's blocks and asks the policy
+gateway. A feed or an abort names its replica and goes there. For a request,
+``choose_replicas`` hashes the prompt's blocks and asks the policy
 (``core.cluster.router``) for a replica, using each replica's latest
 ``record_routing_stats``, which it also posts on the process's board
 (``scaleout.board``) for ``/metrics``, ``/readyz`` and the dashboard.
@@ -17,6 +18,7 @@ from core.analysis.cost_model import CostModel
 from core.cluster.router import Prompt, make_router
 from core.cluster.stats import ReplicaStats, prompt_hashes
 from scaleout.board import Board
+from scaleout.spec import Abort, Feed
 
 
 def _board() -> Board:
@@ -43,16 +45,18 @@ class StallfreeRequestRouter(FIFOMixin, RequestRouter):
         if pending_request is None or not pending_request.args or not candidate_replicas:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
-        job = pending_request.args[0]
+        call = pending_request.args[0]
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        head = job.request.prefill_after
-        if head is not None and _board().placed.get(head) in by_name:  # choices of one prompt share its KV
-            name = _board().placed[head]
+        if isinstance(call, Feed | Abort):  # for one replica only: wait while it is unavailable
+            return [[by_name[call.replica]]] if call.replica in by_name else []
+        board = _board()
+        head = call.request.prefill_after
+        if head is not None and board.placed.get(head) in by_name:  # choices of one prompt share its KV
+            name = board.placed[head]
         else:
-            stats = [_board().stats.get(n) or ReplicaStats(n) for n in by_name]
-            block_size = stats[0].block_size
-            tokens = job.request.prompt_token_ids
-            name = self.policy.choose(Prompt(len(tokens), prompt_hashes(tokens, block_size)), stats)
-        _board().place(job.request.request_id, name)
+            stats = [board.stats.get(n) or ReplicaStats(n) for n in by_name]
+            tokens = call.request.prompt_token_ids
+            name = self.policy.choose(Prompt(len(tokens), prompt_hashes(tokens, stats[0].block_size)), stats)
+        board.place(call.request.request_id, name)
         chosen = by_name[name]
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]

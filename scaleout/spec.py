@@ -1,10 +1,11 @@
-"""What the ingress sends a replica: how to build it, and each request."""
+"""What the ingress and the replicas send each other."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from core.sched.config import SchedulerConfig
+from core.sched.engine import RequestOutput
 from core.sched.request import Request
 
 
@@ -29,6 +30,27 @@ class Job:
     set (``PUT /api/config``), applied first if the replica lags behind."""
 
     request: Request
+    ingress: str  # whose feed carries its outputs
     config: SchedulerConfig
     config_version: int
     traceparent: str | None = None  # the request's root span, for the replica's own span
+
+
+@dataclass(slots=True, frozen=True)
+class Feed:
+    """Open an ingress's output stream on one replica (the router sends it there)."""
+
+    ingress: str
+    replica: str
+
+
+@dataclass(slots=True, frozen=True)
+class Abort:
+    request_id: str
+    replica: str  # where it runs (the router sends it there)
+
+
+# What a feed carries, one message per iteration (or a few, when the ingress
+# fell behind): each iteration's outputs for this ingress and when, on the
+# wall clock, the iteration ended.
+FeedMessage = list[tuple[list[RequestOutput], int]]

@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import orjson
 import pytest
 import ray
 from openai import OpenAI
@@ -17,18 +18,32 @@ from core.sched.config import SchedulerConfig
 from gateway.engine_client import EngineClient
 from gateway.serve import make_server
 from gateway.settings import GatewaySettings
+from gateway.tracing import Tracing
 from scaleout import app
 from scaleout.board import BOARD
 from scaleout.remote import RemoteEngine
 from scaleout.spec import ReplicaSpec
 from tests.test_gateway_ws import check_stream, collect, recv, send
+from tests.test_observability import TRACE_ID, OtlpReceiver, attrs
 
 
 class RayCluster:
-    """Ray, 2 sim replicas behind the cost router, and the gateway on port 0."""
+    """Ray, 2 sim replicas behind the cost router, and the gateway on port 0,
+    both tracing to an in-test OTLP receiver."""
 
     def __init__(self) -> None:
         from core.build import build_sim_engine
+
+        self.receiver = OtlpReceiver()
+        self.env = pytest.MonkeyPatch()
+        for name, value in (
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", self.receiver.url),
+            ("OTEL_BSP_SCHEDULE_DELAY", "50"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "2"),
+            ("OTEL_SERVICE_NAME", "stallfree-test"),
+        ):
+            self.env.setenv(name, value)  # the replicas get them from start_ray's runtime_env
+        self.tracing = Tracing.from_env()
 
         _, self.tokenizer = build_sim_engine(SchedulerConfig(), kv_cache_gib=0.01)
         self.spec = ReplicaSpec(
@@ -42,9 +57,19 @@ class RayCluster:
         handle = app.deploy(self.spec, 2, "cost")
 
         def remote(client: EngineClient) -> RemoteEngine:
-            return RemoteEngine(handle, self.spec, 2, self.tokenizer.vocab_size, client._on_step, client.on_replicas)
+            return RemoteEngine(
+                handle,
+                self.spec,
+                2,
+                self.tokenizer.vocab_size,
+                client._on_step,
+                client.on_replicas,
+                self.tracing.traceparent,
+            )
 
-        self.client = EngineClient(None, self.tokenizer, GatewaySettings(), remote=remote)
+        self.client = EngineClient(
+            None, self.tokenizer, GatewaySettings(model_name="smol"), self.tracing, remote=remote
+        )
         self.server = make_server(self.client, "127.0.0.1", 0)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -80,6 +105,8 @@ class RayCluster:
         self.server.should_exit = True
         self.thread.join(15)
         app.shutdown()
+        self.receiver.stop()
+        self.env.undo()
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +129,7 @@ async def test_websocket_streams_through_a_replica(cluster):
 def test_openai_api_through_a_replica(cluster):
     client = OpenAI(base_url=cluster.url + "/v1", api_key="none")
     out = client.chat.completions.create(
-        model="stallfree-sim",
+        model="smol",
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=8,
         extra_body={"ignore_eos": True},
@@ -110,7 +137,7 @@ def test_openai_api_through_a_replica(cluster):
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
     chunks = list(
         client.completions.create(
-            model="stallfree-sim", prompt="count", max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+            model="smol", prompt="count", max_tokens=6, stream=True, extra_body={"ignore_eos": True}
         )
     )
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 6
@@ -123,7 +150,7 @@ def test_a_repeated_long_system_prompt_lands_where_it_is_cached(cluster):
     usages = []
     for question in ("first?", "second?", "third?", "fourth?"):
         out = client.chat.completions.create(
-            model="stallfree-sim",
+            model="smol",
             messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
             max_tokens=4,
         )
@@ -246,3 +273,35 @@ async def test_serve_replicas_command_streams_and_drains_on_sigterm(cluster):
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
+
+
+async def test_dashboard_telemetry_shows_each_replica(cluster):
+    async with connect(cluster.url.replace("http", "ws") + "/ws/telemetry") as ws:
+        for _ in range(50):
+            frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+            if frame.get("type") == "telemetry" and frame.get("replicas"):
+                break
+    assert sorted(r["replica"] for r in frame["replicas"]) == sorted(BOARD.stats)
+    assert frame["state"]["kv_free"] == sum(s.kv_free_blocks for s in BOARD.stats.values())
+
+
+async def test_traces_continue_into_the_replica(cluster):
+    async with connect(cluster.ws_url, additional_headers={"traceparent": f"00-{TRACE_ID}-{'3' * 16}-01"}) as ws:
+        await send(ws, type="generate", id="t", prompt="trace me " * 50, max_tokens=5, ignore_eos=True)
+        check_stream((await collect(ws, ["t"]))["t"], 5)
+    spans = cluster.receiver.spans
+
+    def ours(name):
+        return [s for s in spans if s.name == name and s.trace_id.hex() == TRACE_ID]
+
+    await asyncio.to_thread(cluster.receiver.wait_for, lambda _: ours("engine.replica") and ours("decode"))
+    root = next(s for s in spans if s.trace_id.hex() == TRACE_ID and s.kind == 2)
+    replica_span = ours("engine.replica")[0]
+    assert replica_span.parent_span_id == root.span_id
+    assert attrs(replica_span)["stallfree.replica"] in BOARD.stats
+    children = {s.name: s for s in spans if s.parent_span_id == root.span_id}
+    assert {"queue_wait", "prefill", "decode", "engine.replica"} <= set(children)
+    # the replica's span lies within the request's, and the phases still tile it
+    assert root.start_time_unix_nano <= replica_span.start_time_unix_nano
+    assert replica_span.end_time_unix_nano <= root.end_time_unix_nano + 1_000_000
+    assert children["queue_wait"].end_time_unix_nano == children["prefill"].start_time_unix_nano

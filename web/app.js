@@ -116,6 +116,22 @@ function onFrame(f) {
   $("counts").textContent = `${s.running} / ${s.waiting} / ${s.partial_prefills}`;
   $("kv").textContent = `${s.kv_used} / ${s.kv_cached} / ${s.kv_free}`;
   $("mode").textContent = `${s.chunking} · ${s.token_budget}`;
+  showReplicas(f.replicas);
+}
+
+function showReplicas(replicas) {
+  $("replicas").hidden = !replicas;
+  if (!replicas) return;
+  const rows = replicas.map((r) => {
+    const tr = document.createElement("tr");
+    for (const v of [r.replica, r.running, r.waiting, r.kv_used, r.kv_cached, r.kv_blocks]) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.append(td);
+    }
+    return tr;
+  });
+  $("replica-rows").replaceChildren(...rows);
 }
 
 function setConnected(on) {

@@ -74,6 +74,7 @@ class StepOutput:
     iteration: IterationRecord | None  # None when only aborts or failures are reported
     outputs: list[RequestOutput]
     counts: Counts
+    emit_ns: int | None = None  # when the outputs were produced, if not by ``iteration`` here (a replica's)
 
 
 def check_request(num_prompt_tokens: int, sampling: SamplingParams, max_model_len: int, vocab_size: int) -> None:
