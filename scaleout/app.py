@@ -23,7 +23,17 @@ def start_ray(ray_address: str | None, replicas: int, threads: int) -> None:
         ray.init(address=ray_address, runtime_env=env, log_to_driver=False)
     else:
         cpus = max(os.cpu_count() or 1, replicas * threads)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=env)
+        # Ray runs its workers at niceness 15 unless told: the replicas' engines
+        # would then lose every contended core to the gateway and its clients
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            object_store_memory=256 * 2**20,  # only small messages travel (outputs, reports)
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=env,
+        )
 
 
 def deploy(spec: ReplicaSpec, replicas: int, router: str, cost: CostModel | None = None, name: str = APP_NAME) -> Any:

@@ -107,9 +107,10 @@ class EngineReplica:
                     message.append(queue.get_nowait())
                 yield message
         finally:
-            del self._feeds[feed.ingress]
-            for job in [j for j in self._jobs.values() if j.ingress == feed.ingress]:
-                self.step_loop.abort(job.request.request_id)
+            if self._feeds.get(feed.ingress) is queue:  # not replaced by a newer feed of the same ingress
+                del self._feeds[feed.ingress]
+                for job in [j for j in self._jobs.values() if j.ingress == feed.ingress]:
+                    self.step_loop.abort(job.request.request_id)
 
     async def submit(self, job: Job) -> str:
         """Queue a request; its outputs go to its ingress's feed. Returns this replica's name."""

@@ -88,6 +88,12 @@ def test_plan_and_simulate_commands_run_without_torch():
     assert violations("cli", ("torch",), ("simulate", "--replicas", "2", "--conversations", "2", "--json")) == []
 
 
+def test_scaleout_imports_no_torch_until_a_replica_builds_its_engine():
+    """The gateway's side of scale-out (router, board, remote) runs in the torch-free gateway."""
+    for module in modules("scaleout"):
+        assert violations(module, ("torch", "kernels")) == []
+
+
 def test_gateway_app_imports_no_torch():
     assert violations("gateway.app", ("torch", "kernels")) == []
     assert violations("gateway.engine_client", ("torch", "kernels")) == []

@@ -49,7 +49,7 @@ class RayCluster:
         self.spec = ReplicaSpec(
             SchedulerConfig(max_num_seqs=64, token_budget=512),
             sim=True,
-            sim_time_scale=0.05,
+            sim_time_scale=0.2,
             kv_cache_gib=0.5,
             stats_period_s=0.1,
         )
@@ -142,6 +142,13 @@ def test_openai_api_through_a_replica(cluster):
     )
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 6
     assert chunks[-1].choices[0].finish_reason == "length"
+    # n > 1: the choices of one prompt go to one replica, where they share its blocks
+    out = client.completions.create(
+        model="smol", prompt="share " * 40, max_tokens=5, n=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 15
+    head = out.id.split("-", 1)[1]
+    assert len({BOARD.placed[f"cmpl-{head}{suffix}"] for suffix in ("", "-1", "-2")}) == 1
 
 
 def test_a_repeated_long_system_prompt_lands_where_it_is_cached(cluster):
