@@ -312,3 +312,37 @@ async def test_traces_continue_into_the_replica(cluster):
     assert root.start_time_unix_nano <= replica_span.start_time_unix_nano
     assert replica_span.end_time_unix_nano <= root.end_time_unix_nano + 1_000_000
     assert children["queue_wait"].end_time_unix_nano == children["prefill"].start_time_unix_nano
+
+
+async def test_a_second_gateway_with_api_keys_shares_the_replicas(cluster):
+    """Gateways are independent ingresses: each opens its own feed on every
+    replica, and admission (API keys) stays each gateway's own."""
+    handle = cluster.client.step_loop.handle
+
+    def remote(client: EngineClient) -> RemoteEngine:
+        return RemoteEngine(handle, cluster.spec, 2, cluster.tokenizer.vocab_size, client._on_step, client.on_replicas)
+
+    client = EngineClient(None, cluster.tokenizer, GatewaySettings(api_keys=("sekret",)), remote=remote)
+    server = make_server(client, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        r = await asyncio.to_thread(httpx.post, url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401
+        async with (
+            connect(f"ws://127.0.0.1:{port}/v1/stream", additional_headers={"Authorization": "Bearer sekret"}) as ws,
+            connect(cluster.ws_url) as other,
+        ):
+            await send(ws, type="generate", id="k", prompt="with a key", max_tokens=7, ignore_eos=True)
+            await send(other, type="generate", id="o", prompt="the first gateway", max_tokens=9, ignore_eos=True)
+            check_stream((await collect(ws, ["k"]))["k"], 7)
+            check_stream((await collect(other, ["o"]))["o"], 9)
+        assert client.step_loop.ingress != cluster.client.step_loop.ingress
+    finally:
+        server.should_exit = True
+        await asyncio.to_thread(thread.join, 15)
+    assert cluster.wait_kv_baseline() == dict.fromkeys(BOARD.stats, 0)
