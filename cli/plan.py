@@ -21,11 +21,59 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--burst", type=int, default=10, help="prompts in the burst example (default %(default)s)")
     p.add_argument("--decode-context", type=int, default=0, help="cached tokens per decoder (for --kv-reads)")
+    d = p.add_argument_group(
+        "disaggregation (--disaggregate P:D: P prefill and D decode workers against chunked "
+        "prefill on P+D workers, over --prompts x --rates)"
+    )
+    d.add_argument("--disaggregate", type=_workers, metavar="P:D", help="prefill and decode workers, e.g. 1:3")
+    d.add_argument("--link-gbps", type=float, default=100.0, help="KV link per prefill worker (default %(default)g)")
+    d.add_argument("--link-latency-ms", type=float, default=0.0, help="per transfer (default %(default)g)")
+    d.add_argument(
+        "--prompts", type=int_list, default=(1024, 8192, 32768), help="prompt lengths (default 1024,8192,32768)"
+    )
+    d.add_argument("--rates", type=_rates, default=(0.5, 2.0, 8.0), help="prompts/s arriving (default 0.5,2,8)")
     add_json_arg(p)
     return p
 
 
+def _workers(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (two integers), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError("P and D must be >= 1")
+    return p, d
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return values
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.disaggregate:
+        from core.analysis.disagg_plan import Link, compare, format_compare
+
+        p_workers, d_workers = args.disaggregate
+        link = Link(args.link_gbps, args.link_latency_ms / 1e3)
+        doc = compare(
+            cost_model(args),
+            p_workers,
+            d_workers,
+            link,
+            args.prompts,
+            args.rates,
+            args.decoders,
+            args.budget[0],
+            args.decode_context,
+        )
+        return emit(args, doc, format_compare(doc))
     from core.analysis.planner import format_plan, plan
 
     p = plan(cost_model(args), args.decoders, args.prompt, args.budget, args.burst, args.decode_context)

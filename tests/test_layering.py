@@ -84,6 +84,7 @@ def test_routers_import_no_torch_and_no_ray():
 
 def test_plan_and_simulate_commands_run_without_torch():
     assert violations("cli", ("torch",), ("plan", "--json")) == []
+    assert violations("cli", ("torch",), ("plan", "--disaggregate", "1:1", "--json")) == []
     assert violations("cli", ("torch",), ("simulate", "--scenario", "burst", "--json")) == []
     assert violations("cli", ("torch",), ("simulate", "--replicas", "2", "--conversations", "2", "--json")) == []
 
