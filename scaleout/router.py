@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from core.analysis.cost_model import CostModel
 from core.cluster.router import Prompt, make_router
@@ -29,7 +29,10 @@ def _board() -> Board:
     return board.BOARD
 
 
-class StallfreeRequestRouter(FIFOMixin, RequestRouter):
+class StallfreeRequestRouter(RequestRouter):
+    """No FIFOMixin: it hands a chosen replica to the oldest waiting call,
+    which breaks calls routed to one named replica (a feed, an abort)."""
+
     def initialize_state(self, router: str = "cost", cost: CostModel | None = None, **_: Any) -> None:
         # a report taken before a request reached the replica does not count it yet
         self.policy = _board().router = make_router(router, cost or CostModel(), settle_reports=2)
