@@ -16,6 +16,17 @@ if TYPE_CHECKING:
     from core.build import ModelSettings
 
 
+def workers_pair(text: str) -> tuple[int, int]:
+    """``P:D``: prefill and decode workers."""
+    try:
+        p, d = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (two integers), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError("P and D must be >= 1")
+    return p, d
+
+
 def int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cli.options import add_cost_args, add_json_arg, cost_model, emit, int_list
+from cli.options import add_cost_args, add_json_arg, cost_model, emit, int_list, workers_pair
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "disaggregation (--disaggregate P:D: P prefill and D decode workers against chunked "
         "prefill on P+D workers, over --prompts x --rates)"
     )
-    d.add_argument("--disaggregate", type=_workers, metavar="P:D", help="prefill and decode workers, e.g. 1:3")
+    d.add_argument("--disaggregate", type=workers_pair, metavar="P:D", help="prefill and decode workers, e.g. 1:3")
     d.add_argument("--link-gbps", type=float, default=100.0, help="KV link per prefill worker (default %(default)g)")
     d.add_argument("--link-latency-ms", type=float, default=0.0, help="per transfer (default %(default)g)")
     d.add_argument(
@@ -34,16 +34,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     d.add_argument("--rates", type=_rates, default=(0.5, 2.0, 8.0), help="prompts/s arriving (default 0.5,2,8)")
     add_json_arg(p)
     return p
-
-
-def _workers(text: str) -> tuple[int, int]:
-    try:
-        p, d = (int(v) for v in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected P:D (two integers), got {text!r}") from None
-    if p < 1 or d < 1:
-        raise argparse.ArgumentTypeError("P and D must be >= 1")
-    return p, d
 
 
 def _rates(text: str) -> tuple[float, ...]:

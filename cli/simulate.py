@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.options import add_cost_args, add_json_arg, add_kv_args, add_scheduler_args, cost_model, emit, scheduler_config
+from cli.options import (
+    add_cost_args,
+    add_json_arg,
+    add_kv_args,
+    add_scheduler_args,
+    cost_model,
+    emit,
+    scheduler_config,
+    workers_pair,
+)
 from core.analysis.simulator import SCENARIOS
 from core.cluster.router import ROUTERS
 from core.sched.config import CacheConfig
@@ -35,8 +44,38 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--turns", type=int, default=6, help="turns per conversation (default %(default)s)")
     c.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt (default %(default)s)")
     c.add_argument("--seed", type=int, default=0)
+    d = s.add_argument_group(
+        "disaggregation (--disaggregate P:D: the scenario or trace on P prefill + D decode workers, "
+        "beside chunked prefill on P+D colocated workers)"
+    )
+    d.add_argument("--disaggregate", type=workers_pair, metavar="P:D", help="prefill and decode workers, e.g. 1:1")
+    d.add_argument("--link-gbps", type=float, default=100.0, help="KV link per prefill worker (default %(default)g)")
+    d.add_argument("--link-latency-ms", type=float, default=0.0, help="per transfer (default %(default)g)")
     add_json_arg(s)
     return s
+
+
+def run_disaggregated(args: argparse.Namespace) -> None:
+    from core.analysis.disagg_plan import Link
+    from core.analysis.disagg_sim import format_side_by_side, simulate_colocated, simulate_disaggregated
+    from core.analysis.profiler import Profile
+    from core.analysis.simulator import load_trace, scenario
+
+    if args.link_gbps <= 0:
+        raise ValueError("--link-gbps must be > 0")
+    defaults: dict[str, Any] = {}
+    arrivals, defaults = (load_trace(args.trace), {}) if args.trace else scenario(args.scenario)
+    config = scheduler_config(args, defaults)
+    cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
+    cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
+    p, d = args.disaggregate
+    disagg = simulate_disaggregated(
+        arrivals, p, d, Link(args.link_gbps, args.link_latency_ms / 1e3), config, cache, cost
+    )
+    colocated = simulate_colocated(arrivals, p + d, config, cache, cost)
+    name = str(args.trace) if args.trace else args.scenario
+    doc = {"scenario": name, "link_gbps": args.link_gbps, "disaggregated": disagg, "colocated": colocated}
+    emit(args, doc, format_side_by_side(disagg, colocated, f"{name} {p}:{d}"))
 
 
 def run_replicas(args: argparse.Namespace) -> None:
@@ -70,6 +109,8 @@ def run_replicas(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.replicas is not None:
         return run_replicas(args)
+    if args.disaggregate is not None:
+        return run_disaggregated(args)
     from core.analysis.profiler import Profile
     from core.analysis.simulator import format_report, load_trace, report, scenario, simulate
 

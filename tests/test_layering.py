@@ -87,6 +87,7 @@ def test_plan_and_simulate_commands_run_without_torch():
     assert violations("cli", ("torch",), ("plan", "--disaggregate", "1:1", "--json")) == []
     assert violations("cli", ("torch",), ("simulate", "--scenario", "burst", "--json")) == []
     assert violations("cli", ("torch",), ("simulate", "--replicas", "2", "--conversations", "2", "--json")) == []
+    assert violations("cli", ("torch",), ("simulate", "--disaggregate", "1:1", "--json")) == []
 
 
 def test_scaleout_imports_no_torch_until_a_replica_builds_its_engine():

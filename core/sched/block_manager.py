@@ -177,6 +177,22 @@ class BlockManager:
         self.prefix_hit_tokens += req.num_computed_tokens
         return True
 
+    def admit_imported(self, req: Request, reserve_tokens: int) -> bool:
+        """Admit req with its first ``req.kv_imported`` tokens' KV computed
+        elsewhere (a prefill worker), or change nothing: fresh blocks to write
+        it into, held now, and the footprint reserved. Its full blocks join the
+        prefix cache as computed ones do."""
+        blocks = self.blocks_for(req.kv_imported)
+        footprint = max(self.blocks_for(reserve_tokens), blocks)
+        if footprint > self.num_free_blocks - self._unallocated_reserve:
+            return False
+        req.block_ids = [self._pop_free() for _ in range(blocks)]
+        req.footprint_blocks = footprint
+        self._unallocated_reserve += self._reserve_left(req)
+        req.num_computed_tokens = req.kv_imported
+        self.cache_computed(req)
+        return True
+
     def share(self, req: Request, head: Request, reserve_tokens: int) -> bool:
         """Admit req, another choice of head's prompt (which head has computed),
         onto head's blocks, or change nothing. Every block of the prompt is

@@ -126,6 +126,9 @@ class Request:
     # another choice of the same prompt (OpenAI's n > 1): admitted once that one's
     # prompt is computed, onto its blocks (BlockManager.share), not computing it again
     prefill_after: str | None = None
+    # prompt tokens whose KV arrives computed (disaggregated prefill: a prefill
+    # worker ran them); admitted straight to decoding its last prompt token
+    kv_imported: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None  # set when status becomes FINISHED

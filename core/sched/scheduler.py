@@ -69,6 +69,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.kv_imported and req.kv_imported != req.num_tokens - 1:
+            raise ValueError("kv_imported must cover every token but the last")
         if req.tenant not in self._active:
             # a tenant coming back starts level with the least-served active one:
             # idle time banks no credit (VTC's counter lift)
@@ -230,6 +232,12 @@ class Scheduler:
                 break
             if self._prompt_pending(req.prefill_after):
                 continue
+            if req.kv_imported and not req.num_preemptions:
+                if not self._admit_imported(batch, req):
+                    break
+                admitted.append(req)
+                left -= 1
+                continue
             head = self._prompt_source(req)
             pending = 1 if head is not None else req.num_tokens - self.kv.cached_prefix_tokens(req)
             n = self._chunk(req, pending, left, whole)
@@ -254,6 +262,19 @@ class Scheduler:
             taken = set(admitted)
             self.waiting = [r for r in self.waiting if r not in taken]
         return left
+
+    def _admit_imported(self, batch: Batch, req: Request) -> bool:
+        """A prompt prefilled elsewhere: its KV into fresh blocks, then straight to
+        decoding, its last prompt token first (whose logits give the first token)."""
+        cfg = self.config
+        footprint = min(req.num_tokens + min(req.sampling.max_tokens, cfg.decode_reserve_tokens), cfg.max_model_len)
+        if not self.kv.admit_imported(req, footprint):
+            return False
+        req.status = RequestStatus.DECODING
+        self.running.append(req)
+        self.kv.allocate(req, 1)
+        batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
+        return True
 
     def _prompt_source(self, req: Request) -> Request | None:
         """The sibling choice whose computed prompt req can share, if it still holds it."""

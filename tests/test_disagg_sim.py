@@ -1,0 +1,88 @@
+"""Prompts prefilled elsewhere (``Request.kv_imported``) and the disaggregated simulator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from core.analysis.cost_model import CostModel
+from core.analysis.disagg_plan import Link
+from core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
+from core.analysis.sim_runner import SimRunner, VirtualClock
+from core.analysis.simulator import scenario
+from core.cluster.stats import prompt_hashes
+from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.engine import Engine
+from core.sched.request import Request, RequestStatus, SamplingParams
+
+BS = 16
+
+
+def _engine() -> Engine:
+    clock = VirtualClock()
+    runner = SimRunner(CostModel(), BS, clock, read_context=False)
+    return Engine(SchedulerConfig(token_budget=256), CacheConfig(64, BS), runner, clock)
+
+
+def test_an_imported_prompt_goes_straight_to_decoding_on_fresh_blocks():
+    engine = _engine()
+    prompt = list(range(100, 150))  # 50 tokens: 49 arrive computed, the 50th is decoded for the first token
+    decoder = Request("other", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), 0)
+    engine.add_request(decoder)
+    engine.step()
+    req = Request("moved", prompt, SamplingParams(max_tokens=3, ignore_eos=True), 0)
+    req.kv_imported = 49
+    engine.add_request(req)
+    out = engine.step()
+    assert out is not None and out.iteration.prefill_tokens == 0 and out.iteration.decode_tokens == 2
+    assert req.status == RequestStatus.DECODING and req.num_output_tokens == 1 and not req.timeline.chunks
+    assert len(req.block_ids) == 4  # 50 tokens now computed, in 16-token blocks
+    # the receiver's prefix cache knows the imported blocks under the prompt's own hashes
+    assert set(prompt_hashes(prompt[:49], BS)) <= set(engine.kv.cached_hashes())
+    assert not decoder.timeline.stalled[-1]  # nothing was prefilled beside the other decode
+    engine.kv.check_invariants(engine.scheduler.running)
+    while engine.has_work:
+        engine.step()
+    assert req.num_output_tokens == 3 and engine.kv.num_used_blocks == 0
+
+
+def test_kv_imported_must_cover_all_but_the_last_token():
+    engine = _engine()
+    req = Request("bad", list(range(20)), SamplingParams(max_tokens=2), 0)
+    req.kv_imported = 10
+    with pytest.raises(ValueError, match="every token but the last"):
+        engine.add_request(req)
+
+
+def test_disaggregated_serving_has_no_stall_and_pays_the_transfer():
+    arrivals, settings = scenario("seed-figure3")
+    config, cache, cost = SchedulerConfig(**settings), CacheConfig(16384, BS), CostModel()
+    disagg = simulate_disaggregated(arrivals, 1, 1, Link(100, 0.001), config, cache, cost)
+    colocated = simulate_colocated(arrivals, 2, config, cache, cost)
+    for rep in (disagg, colocated):
+        assert rep["summary"]["requests"] == len(arrivals)
+        assert rep["summary"]["kv_used_blocks_after"] == 0
+        assert all(
+            r["output_tokens"] == a.max_tokens
+            for a, r in zip(arrivals, (rep["requests"][a.request_id] for a in arrivals), strict=True)
+        )
+    step_ms = cost.iteration_s([0] * 64, []) * 1e3
+    assert disagg["summary"]["max_gap_ms"] == pytest.approx(step_ms, rel=0.01)  # decode workers only decode
+    assert colocated["summary"]["max_gap_ms"] > 3 * step_ms  # chunks beside the decodes
+    a = disagg["requests"]["A"]  # the 8,192-token prompt: 1 GiB of KV at 100 Gbit/s + 1 ms
+    assert a["transfer_ms"] == pytest.approx(2**30 * 8 / 100e9 * 1e3 + 1, rel=0.01)
+    assert a["ttft_ms"] >= a["prefill_worker_ms"] + a["transfer_ms"]
+
+
+def test_simulate_disaggregate_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "simulate", "--scenario", "seed-figure3", "--disaggregate", "1:2", "--json"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    doc = orjson.loads(out)
+    assert doc["disaggregated"]["workers"] == ["p0", "d0", "d1"] and len(doc["colocated"]["workers"]) == 3
+    assert doc["disaggregated"]["summary"]["requests"] == doc["colocated"]["summary"]["requests"] == 65
