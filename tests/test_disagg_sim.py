@@ -86,3 +86,57 @@ def test_simulate_disaggregate_command():
     doc = orjson.loads(out)
     assert doc["disaggregated"]["workers"] == ["p0", "d0", "d1"] and len(doc["colocated"]["workers"]) == 3
     assert doc["disaggregated"]["summary"]["requests"] == doc["colocated"]["summary"]["requests"] == 65
+
+
+def _run(engine: Engine, req: Request) -> Request:
+    engine.add_request(req)
+    while engine.has_work:
+        engine.step()
+    return req
+
+
+def _disaggregated(prefill: Engine, decode: Engine, prompt: list[int], n: int, corrupt: bool = False) -> list[int]:
+    """Prefill on one engine (one token, its KV exported), decode on the other from the imported KV."""
+    head = Request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True), 0)
+    head.kv_export = True
+    _run(prefill, head)
+    payload = head.kv_payload
+    assert payload is not None and prefill.kv.num_used_blocks == 0
+    if corrupt:  # one token of the transferred KV wrong
+        payload[1][3] += 1
+    tail = Request("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True), 0)
+    tail.kv_imported, tail.kv_payload = len(prompt) - 1, payload
+    _run(decode, tail)
+    assert decode.kv.num_used_blocks == 0
+    return tail.output_token_ids
+
+
+def _sim_engine() -> Engine:
+    clock = VirtualClock()
+    return Engine(SchedulerConfig(token_budget=32), CacheConfig(64, BS), SimRunner(CostModel(), BS, clock), clock)
+
+
+def test_transferred_kv_gives_the_tokens_colocated_serving_gives():
+    """SimRunner samples a hash of the whole context it reads back from its paged
+    cache, so a block written wrong, misplaced or missing changes the tokens."""
+    prompt = list(range(300, 370))  # 70 tokens: chunked at budget 32, 5 blocks, the last partial
+    colocated = _run(_sim_engine(), Request("r", prompt, SamplingParams(max_tokens=12, ignore_eos=True), 0))
+    assert _disaggregated(_sim_engine(), _sim_engine(), prompt, 12) == colocated.output_token_ids
+    assert _disaggregated(_sim_engine(), _sim_engine(), prompt, 12, corrupt=True) != colocated.output_token_ids
+
+
+def test_transferred_kv_gives_the_real_models_greedy_tokens():
+    import torch
+
+    from core.model.loader import load_tiny
+    from core.model.model_runner import ModelRunner
+
+    loaded = load_tiny()
+
+    def engine() -> Engine:
+        runner = ModelRunner(loaded, 64, BS, torch.float32, torch.device("cpu"))
+        return Engine(SchedulerConfig(token_budget=32, max_model_len=512), CacheConfig(64, BS), runner)
+
+    prompt = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 5)
+    colocated = _run(engine(), Request("r", prompt, SamplingParams(max_tokens=10, ignore_eos=True), 0))
+    assert _disaggregated(engine(), engine(), prompt, 10) == colocated.output_token_ids

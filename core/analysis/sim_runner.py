@@ -67,12 +67,25 @@ class SimRunner:
             ((item.start, item.num_tokens) for item in batch.items if item.is_prefill),
         )
 
+    def export_kv(self, block_ids: list[int], num_tokens: int) -> object:
+        """The fake cache's slots of those blocks (token ids), as a list per block."""
+        blocks = block_ids[: -(-num_tokens // self.block_size)]
+        return [list(self._slots.get(b, [0] * self.block_size)) for b in blocks]
+
+    def import_kv(self, block_ids: list[int], num_tokens: int, payload: object) -> None:
+        assert isinstance(payload, list)
+        for block_id, slots in zip(block_ids, payload, strict=False):
+            self._slots[block_id] = list(slots)
+
     def execute(self, batch: Batch) -> Sampled:
         faults.point("sample")
         bs = self.block_size
         for source, copy in batch.copies:  # copy on write of a shared block
             if source in self._slots:
                 self._slots[copy] = list(self._slots[source])
+        for req in batch.imports:  # KV computed by another engine (disaggregated prefill)
+            self.import_kv(req.block_ids, req.kv_imported, req.kv_payload)
+            req.kv_payload = None
         sampled = []
         for item in batch.items:
             req = item.request

@@ -76,10 +76,26 @@ class ModelRunner:
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.lm_head.compact is not None else 0
         self.load_s = time.perf_counter() - start
 
+    def export_kv(self, block_ids: list[int], num_tokens: int) -> object:
+        """(K, V) of those blocks on the CPU, each (layers, blocks, block size, kv heads, head dim):
+        the paged layout, only this request's blocks."""
+        blocks = torch.tensor(block_ids[: -(-num_tokens // self.block_size)], device=self.device)
+        return self.k_cache[:, blocks].cpu(), self.v_cache[:, blocks].cpu()
+
+    def import_kv(self, block_ids: list[int], num_tokens: int, payload: object) -> None:
+        assert isinstance(payload, tuple)
+        k, v = payload
+        blocks = torch.tensor(block_ids[: k.shape[1]], device=self.device)
+        self.k_cache[:, blocks] = k.to(self.device, self.dtype)
+        self.v_cache[:, blocks] = v.to(self.device, self.dtype)
+
     def execute(self, batch: Batch) -> Sampled:
         for source, copy in batch.copies:  # copy on write: a choice's own copy of a shared block
             self.k_cache[:, copy] = self.k_cache[:, source]
             self.v_cache[:, copy] = self.v_cache[:, source]
+        for req in batch.imports:  # KV computed by another engine (disaggregated prefill)
+            self.import_kv(req.block_ids, req.kv_imported, req.kv_payload)
+            req.kv_payload = None
         ids: list[int] = []
         tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
         for item in batch.items:

@@ -35,6 +35,7 @@ class Batch:
     items: list[Item] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks, before the items run
+    imports: list[Request] = field(default_factory=list)  # their kv_payload into their blocks, before the items run
 
     @property
     def num_tokens(self) -> int:

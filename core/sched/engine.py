@@ -164,6 +164,7 @@ class Engine:
             if not batch.items:
                 return self._collect(None, [])
             sampled = self.runner.execute(batch)
+            self._export(batch)
             end_ns = self.clock()
             emitted = self.scheduler.update(batch, sampled, start_ns, end_ns)
         except Exception as exc:
@@ -171,6 +172,14 @@ class Engine:
             return self._collect(None, [])
         self.failed_in_a_row = 0
         return self._collect(self._record(batch, start_ns, end_ns), emitted)
+
+    def _export(self, batch: Batch) -> None:
+        """The KV of prompts just computed whose requests asked for it (kv_export),
+        before they finish and free their blocks."""
+        for item in batch.items:
+            req = item.request
+            if req.kv_export and item.samples and req.kv_payload is None and not req.num_output_tokens:
+                req.kv_payload = self.runner.export_kv(req.block_ids, req.num_prompt_tokens - 1)
 
     def _failed(self, batch: Batch | None, exc: Exception) -> None:
         self.failed_in_a_row += 1

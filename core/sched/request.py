@@ -126,9 +126,15 @@ class Request:
     # another choice of the same prompt (OpenAI's n > 1): admitted once that one's
     # prompt is computed, onto its blocks (BlockManager.share), not computing it again
     prefill_after: str | None = None
-    # prompt tokens whose KV arrives computed (disaggregated prefill: a prefill
-    # worker ran them); admitted straight to decoding its last prompt token
+    # disaggregated prefill. A prefill worker's request sets kv_export: when its
+    # prompt is computed the engine has the runner export the KV of all but its
+    # last token into kv_payload (opaque here: the runner's own format). A
+    # decode worker's request arrives with that payload and kv_imported = those
+    # tokens; it is admitted onto fresh blocks, the runner writes the payload
+    # into them, and it decodes from the last prompt token on.
     kv_imported: int = 0
+    kv_export: bool = False
+    kv_payload: object | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None  # set when status becomes FINISHED

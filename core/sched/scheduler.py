@@ -273,6 +273,8 @@ class Scheduler:
         req.status = RequestStatus.DECODING
         self.running.append(req)
         self.kv.allocate(req, 1)
+        if req.kv_payload is not None:
+            batch.imports.append(req)
         batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
         return True
 
