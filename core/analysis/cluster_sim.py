@@ -10,7 +10,6 @@ next one (``ChatSession``), so the workload is closed loop.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -142,10 +141,6 @@ def cluster_report(result: ClusterResult, duration_floor_ns: int = 1) -> dict[st
         "fallbacks": result.fallbacks,
         "preemptions": sum(r.engine.scheduler.num_preemptions for r in result.replicas),
     }
-
-
-def workload_dict(workload: ChatWorkload) -> dict[str, Any]:
-    return dataclasses.asdict(workload)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
