@@ -28,7 +28,7 @@ from core.sched.batch import IterationRecord
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.request import Request, SamplingParams
-from core.sched.timings import gaps_ns, percentile, request_timings
+from core.sched.timings import request_timings, summarize
 
 VOCAB = 32000
 
@@ -165,12 +165,7 @@ def simulate(arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: Cac
 def report(result: SimResult) -> dict[str, Any]:
     """Per request timings, summary percentiles over every gap, and the iterations."""
     reqs: dict[str, dict[str, Any]] = {}
-    all_gaps: list[float] = []
-    ttfts = []
     for rid, req in result.requests.items():
-        t = request_timings(req.timeline)
-        all_gaps += [g / 1e6 for g in gaps_ns(req.timeline)]
-        ttfts.append(t.ttft_ms)
         reqs[rid] = {
             "arrival_ms": req.arrival_ns / 1e6,
             "prompt_tokens": req.num_prompt_tokens,
@@ -179,26 +174,18 @@ def report(result: SimResult) -> dict[str, Any]:
             "finish_reason": req.finish_reason,
             "chunks": len(req.timeline.chunks),
             "preemptions": req.num_preemptions,
-            **t.as_dict(),
+            **request_timings(req.timeline).as_dict(),
         }
     its = result.iterations
     start = min((r.arrival_ns for r in result.requests.values()), default=0)
     end = max((it.end_ns for it in its), default=start)
-    out_tokens = sum(r["output_tokens"] for r in reqs.values())
     config = result.engine.config
     return {
         "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
         "summary": {
             "requests": len(reqs),
             "iterations": len(its),
-            "duration_ms": (end - start) / 1e6,
-            "output_tokens": out_tokens,
-            "throughput_tokens_per_s": out_tokens / ((end - start) / 1e9) if end > start else 0.0,
-            "ttft_p50_ms": percentile(ttfts, 50),
-            "ttft_p99_ms": percentile(ttfts, 99),
-            "itl_p50_ms": percentile(all_gaps, 50),
-            "itl_p99_ms": percentile(all_gaps, 99),
-            "max_gap_ms": max(all_gaps, default=0.0),
+            **summarize(result.requests.values(), start, end),
             "preemptions": result.engine.scheduler.num_preemptions,
             "prefix_hit_tokens": result.engine.kv.prefix_hit_tokens,
         },

@@ -10,10 +10,10 @@ Gaps (itl) are per token, never averaged per request first.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from core.sched.request import Timeline
+from core.sched.request import Request, Timeline
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -67,3 +67,26 @@ def request_timings(timeline: Timeline) -> RequestTimings:
         max_gap_ms=max(gaps, default=0.0),
         stalled_gaps=sum(timeline.stalled),
     )
+
+
+def summarize(requests: Iterable[Request], start_ns: int, end_ns: int) -> dict[str, float]:
+    """A run's latency figures over its requests: every TTFT and every gap
+    pooled, throughput over [start_ns, end_ns]."""
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    out_tokens = 0
+    for req in requests:
+        ttfts.append(request_timings(req.timeline).ttft_ms)
+        gaps += [g / 1e6 for g in gaps_ns(req.timeline)]
+        out_tokens += req.num_output_tokens
+    duration_ns = end_ns - start_ns
+    return {
+        "duration_ms": duration_ns / 1e6,
+        "output_tokens": out_tokens,
+        "throughput_tokens_per_s": out_tokens / (duration_ns / 1e9) if duration_ns > 0 else 0.0,
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "itl_p50_ms": percentile(gaps, 50),
+        "itl_p99_ms": percentile(gaps, 99),
+        "max_gap_ms": max(gaps, default=0.0),
+    }
