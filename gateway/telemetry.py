@@ -90,7 +90,7 @@ class Telemetry(Observer):
                 "running": sum(r.running for r in rs),
                 "waiting": sum(r.waiting for r in rs),
                 "partial_prefills": sum(r.partial_prefills for r in rs),
-                "kv_used": sum(r.kv_blocks - r.kv_free_blocks for r in rs),
+                "kv_used": sum(r.kv_used_blocks for r in rs),
                 "kv_cached": sum(r.kv_cached_blocks for r in rs),
                 "kv_free": sum(r.kv_free_blocks for r in rs),
             }
@@ -132,7 +132,7 @@ class Telemetry(Observer):
                     "replica": r.replica,
                     "running": r.running,
                     "waiting": r.waiting,
-                    "kv_used": r.kv_blocks - r.kv_free_blocks,
+                    "kv_used": r.kv_used_blocks,
                     "kv_cached": r.kv_cached_blocks,
                     "kv_blocks": r.kv_blocks,
                 }

@@ -25,7 +25,6 @@ class Board:
     """Reports, and where each request went (for choices that must meet on one replica)."""
 
     stats: dict[str, ReplicaStats] = field(default_factory=dict)
-    kv_used: dict[str, int] = field(default_factory=dict)
     iterations: list[tuple[str, IterationRecord]] = field(default_factory=list)  # not yet shown
     placed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # request id -> replica
     router: Router | None = None
@@ -42,7 +41,6 @@ class Board:
                 continue
             if stats.seq > self.stats.get(name, ReplicaStats(name)).seq:
                 self.stats[name] = stats
-                self.kv_used[name] = rs.get("kv_used_blocks", 0)
                 self.iterations += [(name, it) for it in rs.get("iterations", ())]
         for gone in set(self.stats) - names:
             self.forget(gone)
@@ -50,12 +48,12 @@ class Board:
     def forget(self, replica: str) -> None:
         """A replica is gone (until a new report says otherwise)."""
         self.stats.pop(replica, None)
-        self.kv_used.pop(replica, None)
         if self.router is not None:
             self.router.forget(replica)
 
     def place(self, request_id: str, replica: str) -> None:
         self.placed[request_id] = replica
+        self.placed.move_to_end(request_id)
         while len(self.placed) > PLACED_KEPT:
             self.placed.popitem(last=False)
 

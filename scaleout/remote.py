@@ -48,8 +48,7 @@ def _done(value: Any) -> Future[Any]:
 
 @dataclass(slots=True)
 class _InFlight:
-    request: Request
-    arrival_ns: int  # here, when the client's request came in
+    request: Request  # as this process has it: arrival_ns is when the client's request came in
     replica: str | None = None  # where it was accepted
     tokens: int = 0
     attempts: int = 0
@@ -112,14 +111,14 @@ class RemoteEngine:
             sum(s.running for s in stats),
             sum(s.waiting for s in stats),
             sum(s.partial_prefills for s in stats),
-            sum(BOARD.kv_used.get(s.replica, 0) for s in stats),
+            sum(s.kv_used_blocks for s in stats),
             sum(s.kv_free_blocks for s in stats),
             sum(s.kv_cached_blocks for s in stats),
         )
 
     def submit(self, req: Request) -> Future[None]:
         check_request(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.vocab_size)
-        self._inflight[req.request_id] = _InFlight(req, req.arrival_ns)
+        self._inflight[req.request_id] = _InFlight(req)
         self._spawn(self._submit(req.request_id))
         return _done(None)
 
@@ -208,7 +207,7 @@ class RemoteEngine:
                 if out.request is not None:  # its timeline onto this process's clock
                     tl = out.request.timeline
                     shift(tl, -self._offset)
-                    tl.arrival_ns = f.arrival_ns  # the client's wait includes the hop
+                    tl.arrival_ns = f.request.arrival_ns  # the client's wait includes the hop
             known.append(out)
         self.last_step_ns = time.perf_counter_ns()
         if known:

@@ -200,7 +200,7 @@ class EngineReplica:
         for it in iterations:  # onto the wall clock, as timelines are
             it.start_ns += self.wall_offset
             it.end_ns += self.wall_offset
-        return {"stats": stats, "iterations": iterations, "kv_used_blocks": self.engine.kv.num_used_blocks}
+        return {"stats": stats, "iterations": iterations}
 
     def check_health(self) -> None:
         if self.fatal is not None or not self.step_loop.alive:

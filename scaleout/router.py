@@ -44,7 +44,6 @@ class StallfreeRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        _board().report(list(self.curr_replicas.values()))
         if pending_request is None or not pending_request.args or not candidate_replicas:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True

@@ -92,7 +92,7 @@ class RayCluster:
         return body
 
     def kv_used(self) -> dict[str, int]:
-        return dict(BOARD.kv_used)
+        return {name: s.kv_used_blocks for name, s in BOARD.stats.items()}
 
     def wait_kv_baseline(self, timeout: float = 15.0) -> dict[str, int]:
         """Each replica's used KV blocks once all are back to 0 (or as they stood at the deadline)."""

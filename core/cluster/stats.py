@@ -65,8 +65,12 @@ class ReplicaStats:
         return self.running + self.waiting
 
     @property
+    def kv_used_blocks(self) -> int:
+        return self.kv_blocks - self.kv_free_blocks
+
+    @property
     def kv_utilization(self) -> float:
-        return 1.0 - self.kv_free_blocks / self.kv_blocks if self.kv_blocks else 0.0
+        return self.kv_used_blocks / self.kv_blocks if self.kv_blocks else 0.0
 
     def matched_blocks(self, hashes: Sequence[bytes]) -> int:
         """Leading prompt blocks this replica can serve from its prefix cache."""
