@@ -13,7 +13,23 @@ from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, Hardware
 from core.sched.config import CHUNKING_MODES, POLICIES, SchedulerConfig
 
 if TYPE_CHECKING:
+    from core.analysis.disagg_plan import Link
     from core.build import ModelSettings
+
+
+def add_disaggregate_args(p: argparse.ArgumentParser, what: str) -> argparse._ArgumentGroup:
+    """``--disaggregate P:D`` and the KV link's flags; ``what`` says what the command does with them."""
+    d = p.add_argument_group(f"disaggregation (--disaggregate P:D: {what})")
+    d.add_argument("--disaggregate", type=workers_pair, metavar="P:D", help="prefill and decode workers, e.g. 1:3")
+    d.add_argument("--link-gbps", type=float, default=100.0, help="KV link per prefill worker (default %(default)g)")
+    d.add_argument("--link-latency-ms", type=float, default=0.0, help="per transfer (default %(default)g)")
+    return d
+
+
+def kv_link(args: argparse.Namespace) -> Link:
+    from core.analysis.disagg_plan import Link
+
+    return Link(args.link_gbps, args.link_latency_ms / 1e3)
 
 
 def workers_pair(text: str) -> tuple[int, int]:

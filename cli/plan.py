@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cli.options import add_cost_args, add_json_arg, cost_model, emit, int_list, workers_pair
+from cli.options import add_cost_args, add_disaggregate_args, add_json_arg, cost_model, emit, int_list, kv_link
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -21,13 +21,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--burst", type=int, default=10, help="prompts in the burst example (default %(default)s)")
     p.add_argument("--decode-context", type=int, default=0, help="cached tokens per decoder (for --kv-reads)")
-    d = p.add_argument_group(
-        "disaggregation (--disaggregate P:D: P prefill and D decode workers against chunked "
-        "prefill on P+D workers, over --prompts x --rates)"
-    )
-    d.add_argument("--disaggregate", type=workers_pair, metavar="P:D", help="prefill and decode workers, e.g. 1:3")
-    d.add_argument("--link-gbps", type=float, default=100.0, help="KV link per prefill worker (default %(default)g)")
-    d.add_argument("--link-latency-ms", type=float, default=0.0, help="per transfer (default %(default)g)")
+    d = add_disaggregate_args(p, "P prefill and D decode workers against chunked prefill on P+D, --prompts x --rates")
     d.add_argument(
         "--prompts", type=int_list, default=(1024, 8192, 32768), help="prompt lengths (default 1024,8192,32768)"
     )
@@ -48,15 +42,14 @@ def _rates(text: str) -> tuple[float, ...]:
 
 def run(args: argparse.Namespace) -> None:
     if args.disaggregate:
-        from core.analysis.disagg_plan import Link, compare, format_compare
+        from core.analysis.disagg_plan import compare, format_compare
 
         p_workers, d_workers = args.disaggregate
-        link = Link(args.link_gbps, args.link_latency_ms / 1e3)
         doc = compare(
             cost_model(args),
             p_workers,
             d_workers,
-            link,
+            kv_link(args),
             args.prompts,
             args.rates,
             args.decoders,

@@ -10,13 +10,14 @@ from typing import Any
 
 from cli.options import (
     add_cost_args,
+    add_disaggregate_args,
     add_json_arg,
     add_kv_args,
     add_scheduler_args,
     cost_model,
     emit,
+    kv_link,
     scheduler_config,
-    workers_pair,
 )
 from core.analysis.simulator import SCENARIOS
 from core.cluster.router import ROUTERS
@@ -44,34 +45,22 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--turns", type=int, default=6, help="turns per conversation (default %(default)s)")
     c.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt (default %(default)s)")
     c.add_argument("--seed", type=int, default=0)
-    d = s.add_argument_group(
-        "disaggregation (--disaggregate P:D: the scenario or trace on P prefill + D decode workers, "
-        "beside chunked prefill on P+D colocated workers)"
-    )
-    d.add_argument("--disaggregate", type=workers_pair, metavar="P:D", help="prefill and decode workers, e.g. 1:1")
-    d.add_argument("--link-gbps", type=float, default=100.0, help="KV link per prefill worker (default %(default)g)")
-    d.add_argument("--link-latency-ms", type=float, default=0.0, help="per transfer (default %(default)g)")
+    add_disaggregate_args(s, "the scenario or trace on P prefill + D decode workers, beside chunked prefill on P+D")
     add_json_arg(s)
     return s
 
 
 def run_disaggregated(args: argparse.Namespace) -> None:
-    from core.analysis.disagg_plan import Link
     from core.analysis.disagg_sim import format_side_by_side, simulate_colocated, simulate_disaggregated
     from core.analysis.profiler import Profile
     from core.analysis.simulator import load_trace, scenario
 
-    if args.link_gbps <= 0:
-        raise ValueError("--link-gbps must be > 0")
-    defaults: dict[str, Any] = {}
     arrivals, defaults = (load_trace(args.trace), {}) if args.trace else scenario(args.scenario)
     config = scheduler_config(args, defaults)
     cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
     cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
     p, d = args.disaggregate
-    disagg = simulate_disaggregated(
-        arrivals, p, d, Link(args.link_gbps, args.link_latency_ms / 1e3), config, cache, cost
-    )
+    disagg = simulate_disaggregated(arrivals, p, d, kv_link(args), config, cache, cost)
     colocated = simulate_colocated(arrivals, p + d, config, cache, cost)
     name = str(args.trace) if args.trace else args.scenario
     doc = {"scenario": name, "link_gbps": args.link_gbps, "disaggregated": disagg, "colocated": colocated}

@@ -27,6 +27,10 @@ class Link:
     gbps: float  # each prefill worker's link, Gbit/s
     latency_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not self.gbps > 0 or self.latency_s < 0:
+            raise ValueError("the KV link needs bandwidth > 0 (--link-gbps) and latency >= 0 (--link-latency-ms)")
+
     def transfer_s(self, num_bytes: float) -> float:
         return self.latency_s + num_bytes * 8 / (self.gbps * 1e9)
 
@@ -116,8 +120,6 @@ def compare(
     """Every prompt length x arrival rate: both sides' figures and who wins on TTFT and on the worst gap."""
     if prefill_workers < 1 or decode_workers < 1:
         raise ValueError("--disaggregate P:D needs at least one prefill and one decode worker")
-    if link.gbps <= 0:
-        raise ValueError("--link-gbps must be > 0")
     workers = prefill_workers + decode_workers
     rows = []
     for prompt in prompts:
