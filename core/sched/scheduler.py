@@ -245,8 +245,7 @@ class Scheduler:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
                 continue  # would stay partial; a prompt that finishes in this chunk may still go
-            reserve = min(req.sampling.max_tokens - req.num_output_tokens, cfg.decode_reserve_tokens)
-            footprint = min(req.num_tokens + reserve, cfg.max_model_len)
+            footprint = self._footprint(req)
             if not (self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)):
                 break  # head of line waits for KV room rather than being overtaken forever
             if req.num_preemptions == 0:
@@ -263,12 +262,16 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if r not in taken]
         return left
 
+    def _footprint(self, req: Request) -> int:
+        """Tokens of KV to guarantee req at admission: what it holds plus its decode reserve."""
+        cfg = self.config
+        reserve = min(req.sampling.max_tokens - req.num_output_tokens, cfg.decode_reserve_tokens)
+        return min(req.num_tokens + reserve, cfg.max_model_len)
+
     def _admit_imported(self, batch: Batch, req: Request) -> bool:
         """A prompt prefilled elsewhere: its KV into fresh blocks, then straight to
         decoding, its last prompt token first (whose logits give the first token)."""
-        cfg = self.config
-        footprint = min(req.num_tokens + min(req.sampling.max_tokens, cfg.decode_reserve_tokens), cfg.max_model_len)
-        if not self.kv.admit_imported(req, footprint):
+        if not self.kv.admit_imported(req, self._footprint(req)):
             return False
         req.status = RequestStatus.DECODING
         self.running.append(req)
