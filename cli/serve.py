@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.options import add_model_args, add_scheduler_args, model_settings, scheduler_config
+from cli.options import add_model_args, add_scheduler_args, model_settings, scheduler_config, workers_pair
 from core.cluster.router import ROUTERS
 
 if TYPE_CHECKING:
@@ -54,6 +54,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     sim.add_argument("--sim-time-scale", type=float, default=1.0, help="multiply simulated iteration times")
     ro = sv.add_argument_group("scale-out on Ray Serve (this process stays the gateway: the cluster's ingress)")
     ro.add_argument("--replicas", type=int, help="engine replicas (default: one engine in this process)")
+    ro.add_argument(
+        "--disaggregate",
+        type=workers_pair,
+        metavar="P:D",
+        help="P prefill and D decode replicas instead: prompts computed on one, their KV moved to the other",
+    )
+    ro.add_argument("--object-store-gib", type=float, help="local Ray's object store (default 0.25, 2 disaggregated)")
     ro.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     ro.add_argument("--ray-app", default="stallfree", help="Serve application name (default %(default)s)")
     ro.add_argument("--router", default="cost", choices=ROUTERS, help="replica choice (default %(default)s)")
@@ -85,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
         drain_timeout_s=args.drain_timeout_s,
     )
     facts: dict[str, object] = {}
-    if args.replicas is not None:
+    if args.replicas is not None or args.disaggregate is not None:
         return run_replicas(args, config, settings)
     if args.sim:
         from core.build import build_sim_engine
@@ -155,7 +162,10 @@ def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: Ga
     from scaleout.remote import RemoteEngine
     from scaleout.spec import ReplicaSpec
 
-    if args.replicas < 1:
+    if args.replicas is not None and args.disaggregate is not None:
+        raise ValueError("--replicas and --disaggregate are exclusive: P:D sets both pools")
+    prefill, decode = args.disaggregate or (0, args.replicas)
+    if decode < 1:
         raise ValueError("--replicas must be >= 1")
     if args.model is not None and not args.model.endswith(".gguf"):
         raise ValueError("--replicas serves the embedded model or a GGUF file")
@@ -175,21 +185,37 @@ def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: Ga
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(args.model or embedded_model_path()).metadata)
     settings.model_name = args.model_name or ("stallfree-sim" if args.sim else "SmolLM2-135M-Instruct")
     cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
-    app.start_ray(args.ray_address, args.replicas, spec.threads)
-    handle = app.deploy(spec, args.replicas, args.router, cost, args.ray_app)
+    store_gib = args.object_store_gib or (2.0 if prefill else 0.25)  # prompts' KV passes through it
+    app.start_ray(args.ray_address, prefill + decode, spec.threads, store_gib)
+    # decode replicas take over prompts computed elsewhere: the least loaded one does
+    handle = app.deploy(spec, decode, "least_loaded" if prefill else args.router, cost, args.ray_app)
+    prefill_handle = app.deploy(spec, prefill, args.router, cost, args.ray_app, pool="prefill") if prefill else None
 
     tracing = Tracing.from_env(args.trace_iterations)
 
     def remote(client: EngineClient) -> RemoteEngine:
         traceparent = tracing.traceparent if tracing is not None else (lambda request_id: None)
         return RemoteEngine(
-            handle, spec, args.replicas, tokenizer.vocab_size, client._on_step, client.on_replicas, traceparent
+            handle,
+            spec,
+            prefill + decode,
+            tokenizer.vocab_size,
+            client._on_step,
+            client.on_replicas,
+            traceparent,
+            prefill_handle,
         )
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     client = EngineClient(None, tokenizer, settings, tracing, args.log_text, remote)
     server = make_server(client, args.host, args.port)
-    log_startup(client, replicas=args.replicas, router=args.router, runner="simulated" if args.sim else "torch")
+    log_startup(
+        client,
+        replicas=prefill + decode,
+        disaggregated=f"{prefill}:{decode}" if prefill else None,
+        router=args.router,
+        runner="simulated" if args.sim else "torch",
+    )
     try:
         server.run()
     finally:

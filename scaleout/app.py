@@ -6,14 +6,17 @@ import os
 from typing import Any
 
 from core.analysis.cost_model import CostModel
+from scaleout.board import BOARDS
 from scaleout.replica import EngineReplica
 from scaleout.spec import ReplicaSpec
 
 APP_NAME = "stallfree"
 
 
-def start_ray(ray_address: str | None, replicas: int, threads: int) -> None:
-    """Join a cluster, or start a local one with a CPU per replica thread."""
+def start_ray(ray_address: str | None, replicas: int, threads: int, object_store_gib: float = 0.25) -> None:
+    """Join a cluster, or start a local one with a CPU per replica thread.
+    The object store carries small messages (outputs, reports) and, when
+    serving disaggregated, prompts' KV on their way to a decode replica."""
     import ray
 
     if ray.is_initialized():
@@ -29,15 +32,24 @@ def start_ray(ray_address: str | None, replicas: int, threads: int) -> None:
         ray.init(
             address="local",
             num_cpus=cpus,
-            object_store_memory=256 * 2**20,  # only small messages travel (outputs, reports)
+            object_store_memory=int(object_store_gib * 2**30),
             include_dashboard=False,
             log_to_driver=False,
             runtime_env=env,
         )
 
 
-def deploy(spec: ReplicaSpec, replicas: int, router: str, cost: CostModel | None = None, name: str = APP_NAME) -> Any:
-    """N replicas, no Serve HTTP proxy: the stallfree gateway is the ingress."""
+def deploy(
+    spec: ReplicaSpec,
+    replicas: int,
+    router: str,
+    cost: CostModel | None = None,
+    name: str = APP_NAME,
+    pool: str = "engine",
+) -> Any:
+    """N replicas, no Serve HTTP proxy: the stallfree gateway is the ingress.
+    ``pool="prefill"``: disaggregated serving's prefill replicas, an
+    application of their own (``prefill_app(name)``) beside the decode one."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -45,7 +57,7 @@ def deploy(spec: ReplicaSpec, replicas: int, router: str, cost: CostModel | None
     gpus = 1 if spec.device == "cuda" else 0
     deployment = serve.deployment(
         EngineReplica,
-        name="engine",
+        name=pool,
         num_replicas=replicas,
         max_ongoing_requests=100_000,  # admission is the engine's (KV, max_num_seqs), not Serve's
         health_check_period_s=1.0,
@@ -54,12 +66,17 @@ def deploy(spec: ReplicaSpec, replicas: int, router: str, cost: CostModel | None
         ray_actor_options={"num_cpus": 0 if spec.sim else spec.threads, "num_gpus": gpus},
         request_router_config=RequestRouterConfig(  # (Ray's pydantic stubs type every field as a dict)
             request_router_class="scaleout.router.StallfreeRequestRouter",  # type: ignore[arg-type]
-            request_router_kwargs={"router": router, "cost": cost},
+            request_router_kwargs={"router": router, "cost": cost, "pool": pool},
             request_routing_stats_period_s=spec.stats_period_s,  # type: ignore[arg-type]
             request_routing_stats_timeout_s=10.0,  # type: ignore[arg-type]
         ),
     )
-    return serve.run(deployment.bind(spec), name=name, route_prefix=None)  # type: ignore[attr-defined]
+    app = prefill_app(name) if pool == "prefill" else name
+    return serve.run(deployment.bind(spec), name=app, route_prefix=None)  # type: ignore[attr-defined]
+
+
+def prefill_app(name: str) -> str:
+    return f"{name}-prefill"
 
 
 def shutdown(name: str = APP_NAME) -> None:
@@ -68,5 +85,9 @@ def shutdown(name: str = APP_NAME) -> None:
     from ray import serve
 
     if ray.is_initialized():
-        serve.delete(name)
+        for app in (name, prefill_app(name)):
+            if app in serve.status().applications:
+                serve.delete(app)
         ray.shutdown()
+    for board in BOARDS.values():
+        board.clear()

@@ -1,7 +1,7 @@
 """The gateway process's view of the replicas, as their last reports said.
 
 Serve's router (``scaleout.router``) posts each replica's routing report
-here; ``RemoteEngine`` reads it for counts, readiness, metrics and the
+on its pool's board; ``RemoteEngine`` reads it for counts, readiness, metrics and the
 dashboard's iterations.
 """
 
@@ -51,6 +51,13 @@ class Board:
         if self.router is not None:
             self.router.forget(replica)
 
+    def clear(self) -> None:
+        """Forget everything (the replicas are gone: Serve was shut down)."""
+        self.stats.clear()
+        self.iterations.clear()
+        self.placed.clear()
+        self.router = None
+
     def place(self, request_id: str, replica: str) -> None:
         self.placed[request_id] = replica
         self.placed.move_to_end(request_id)
@@ -58,4 +65,7 @@ class Board:
             self.placed.popitem(last=False)
 
 
-BOARD = Board()
+# one per pool: "engine", the replicas whose feeds stream tokens (colocated, or
+# the decode pool), and "prefill", disaggregated serving's prefill pool
+BOARDS = {"engine": Board(), "prefill": Board()}
+BOARD, PREFILL_BOARD = BOARDS["engine"], BOARDS["prefill"]

@@ -9,6 +9,14 @@ client's fan-out as the step thread's output would be.
 
 A replica that dies takes its feed down: its requests that had no token yet
 are submitted again (to another replica), the others end with an error.
+
+Disaggregated (a ``prefill`` handle too): a request's prompt is computed on
+a prefill replica first (``EngineReplica.prefill``), whose ``Handoff``
+(a ticket for the KV, not the KV) goes with the request to a decode replica.
+The choices of one prompt (n > 1) share that prefill and each import its KV.
+A prefill replica that dies is replaced by another for the same prompt; KV
+that can no longer be fetched (its prefill replica died since) is computed
+again.
 """
 
 from __future__ import annotations
@@ -30,9 +38,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from core.cluster.stats import ReplicaStats
 from core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput, check_request
 from core.sched.request import FinishReason, Request, RequestStatus
-from scaleout.board import BOARD
+from scaleout.board import BOARD, PREFILL_BOARD
 from scaleout.clock import shift, wall_offset_ns
-from scaleout.spec import Abort, Feed, FeedMessage, Job, ReplicaSpec
+from scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
 
 log = structlog.get_logger(__name__)
 
@@ -47,12 +55,21 @@ def _done(value: Any) -> Future[Any]:
 
 
 @dataclass(slots=True)
+class _Prefill:
+    """A prompt being computed on a prefill replica, for its choices to take over."""
+
+    task: asyncio.Task[Handoff]
+    choices: set[str]
+
+
+@dataclass(slots=True)
 class _InFlight:
     request: Request  # as this process has it: arrival_ns is when the client's request came in
     replica: str | None = None  # where it was accepted
     tokens: int = 0
     attempts: int = 0
     cancelled: bool = False
+    prefill: _Prefill | None = None  # disaggregated: its KV, until its first token
 
 
 class RemoteEngine:
@@ -65,9 +82,11 @@ class RemoteEngine:
         on_step: Callable[[StepOutput], None],
         on_replicas: Callable[[list[ReplicaStats]], None],
         traceparent: Callable[[str], str | None] = lambda request_id: None,
+        prefill: DeploymentHandle | None = None,
     ) -> None:
         self.handle = handle
-        self.replicas = replicas
+        self.prefill = prefill  # disaggregated: prompts are computed there first
+        self.replicas = replicas  # all of them, prefill ones included
         self.config, self.warnings = spec.scheduler.validated()
         self.config_version = 0
         self.vocab_size = vocab_size
@@ -93,20 +112,25 @@ class RemoteEngine:
         for task in [*self._feeds.values(), *self._tasks, *([self._publisher] if self._publisher else [])]:
             task.cancel()
 
+    @staticmethod
+    def _stats() -> list[ReplicaStats]:
+        return [*BOARD.stats.values(), *PREFILL_BOARD.stats.values()]
+
     @property
     def snapshot(self) -> EngineSnapshot:
-        stats = list(BOARD.stats.values())
+        stats = self._stats()
         blocks = sum(s.kv_blocks for s in stats)
         size = stats[0].block_size if stats else 16
         return EngineSnapshot(self.config, self.counts(), blocks, size, self.vocab_size, tuple(self.warnings))
 
     @property
     def ready_replicas(self) -> int:
-        """Replicas reporting whose feed is open."""
-        return sum(1 for s in BOARD.stats.values() if s.seq > 0 and s.replica in self._feeds)
+        """Replicas reporting whose feed is open (prefill replicas have none)."""
+        streaming = sum(1 for s in BOARD.stats.values() if s.seq > 0 and s.replica in self._feeds)
+        return streaming + sum(1 for s in PREFILL_BOARD.stats.values() if s.seq > 0)
 
     def counts(self) -> Counts:
-        stats = list(BOARD.stats.values())
+        stats = self._stats()
         return Counts(
             sum(s.running for s in stats),
             sum(s.waiting for s in stats),
@@ -118,7 +142,12 @@ class RemoteEngine:
 
     def submit(self, req: Request) -> Future[None]:
         check_request(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.vocab_size)
-        self._inflight[req.request_id] = _InFlight(req)
+        f = self._inflight[req.request_id] = _InFlight(req)
+        if self.prefill is not None and req.num_prompt_tokens > 1:  # (a 1-token prompt has no KV to hand over)
+            head = self._inflight.get(req.prefill_after or "")
+            f.prefill = head.prefill if head is not None and head.prefill is not None else self._start_prefill(req)
+            f.prefill.choices.add(req.request_id)
+            req.prefill_after = None  # each choice imports the prompt's KV onto its own blocks
         self._spawn(self._submit(req.request_id))
         return _done(None)
 
@@ -129,6 +158,10 @@ class RemoteEngine:
         f.cancelled = True
         if f.replica is not None:  # else: aborted as soon as a replica accepts it
             self._spawn(self._abort(request_id, f.replica))
+        elif f.prefill is not None and all(
+            c.cancelled for c in (self._inflight.get(rid) for rid in f.prefill.choices) if c is not None
+        ):  # nobody waits for that prompt any more
+            f.prefill.task.cancel()
         return _done(True)
 
     def reconfigure(self, changes: dict[str, Any]) -> Future[list[str]]:
@@ -142,9 +175,44 @@ class RemoteEngine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _start_prefill(self, req: Request) -> _Prefill:
+        return _Prefill(asyncio.get_running_loop().create_task(self._prefill(req)), set())
+
+    async def _prefill(self, req: Request) -> Handoff:
+        """The prompt's KV computed on a prefill replica (another one if that one dies)."""
+        assert self.prefill is not None
+        head = Request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_ns, req.priority, req.tenant)
+        job = Job(head, self.ingress, self.config, self.config_version, self.traceparent(req.request_id))
+        attempts = 0
+        while True:
+            response = self.prefill.options(method_name="prefill").remote(job)
+            try:
+                handoff: Handoff = await response
+                return handoff
+            except asyncio.CancelledError:
+                response.cancel()  # its KV freed there
+                raise
+            except (RayActorError, DeploymentUnavailableError) as exc:
+                if attempts >= RETRIES:
+                    raise
+                attempts += 1
+                log.warning("prefill_replica_lost_retrying", request_id=req.request_id, error=repr(exc))
+                await asyncio.sleep(0.2 * attempts)
+
     async def _submit(self, request_id: str) -> None:
         f = self._inflight[request_id]
         job = Job(f.request, self.ingress, self.config, self.config_version, self.traceparent(request_id))
+        if f.prefill is not None:
+            try:
+                job.kv = await asyncio.shield(f.prefill.task)
+            except asyncio.CancelledError:
+                if not f.prefill.task.cancelled():
+                    raise  # this process is stopping
+                return self._end(request_id, FinishReason.ABORT, "cancelled while its prompt was computed")
+            except Exception as exc:
+                return self._end(request_id, FinishReason.ERROR, f"its prompt's prefill failed: {exc!r}")
+            if f.cancelled:
+                return self._end(request_id, FinishReason.ABORT, "cancelled while its prompt was computed")
         while True:
             try:
                 f.replica = await self.handle.options(method_name="submit").remote(job)
@@ -154,7 +222,14 @@ class RemoteEngine:
                     return self._end(request_id, FinishReason.ERROR, f"no replica took it: {exc!r}")
                 f.attempts += 1
                 await asyncio.sleep(0.2 * f.attempts)
-            except Exception as exc:  # refused there (a bug: the checks here passed)
+            except Exception as exc:
+                if job.kv is not None and f.attempts < RETRIES:  # its KV is gone with its prefill replica
+                    f.attempts += 1
+                    log.warning("kv_lost_computing_again", request_id=request_id, error=repr(exc))
+                    f.prefill = self._start_prefill(f.request)
+                    f.prefill.choices.add(request_id)
+                    return await self._submit(request_id)
+                # refused there (a bug: the checks here passed)
                 return self._end(request_id, FinishReason.ERROR, f"the replica refused it: {exc!r}")
         if f.cancelled:
             await self._abort(request_id, f.replica)
@@ -170,7 +245,8 @@ class RemoteEngine:
         f = self._inflight.pop(request_id, None)
         if f is None:
             return
-        log.error("replica_request_failed", request_id=request_id, tokens=f.tokens, reason=why)
+        if reason == FinishReason.ERROR:
+            log.error("replica_request_failed", request_id=request_id, tokens=f.tokens, reason=why)
         req = f.request
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         req.timeline.finished_ns = time.perf_counter_ns()
@@ -202,6 +278,8 @@ class RemoteEngine:
             if f is None:
                 continue
             f.tokens += len(out.new_token_ids)
+            if f.tokens:
+                f.prefill = None  # its KV, kept for a retry until now, can go
             if out.finish_reason is not None:
                 del self._inflight[out.request_id]
                 if out.request is not None:  # its timeline onto this process's clock
@@ -226,27 +304,31 @@ class RemoteEngine:
             else:
                 self._end(request_id, FinishReason.ERROR, f"replica {replica} lost: {reason}")
 
-    async def _ping(self) -> None:
+    async def _ping(self, handle: DeploymentHandle) -> None:
         try:
-            await self.handle.options(method_name="ping").remote()
+            await handle.options(method_name="ping").remote()
         except Exception as exc:
             log.warning("replicas_unreachable", error=repr(exc))
 
     # -- the replicas' reports -------------------------------------------------
     async def _publish(self) -> None:
         while True:
-            if not BOARD.stats:  # Serve starts a handle's router, which posts the reports, on its first call
-                self._spawn(self._ping())
+            # Serve starts a handle's router, which posts the reports, on its first call
+            if not BOARD.stats:
+                self._spawn(self._ping(self.handle))
+            if self.prefill is not None and not PREFILL_BOARD.stats:
+                self._spawn(self._ping(self.prefill))
             for replica in BOARD.stats:
                 if replica not in self._feeds:
                     self._feeds[replica] = asyncio.get_running_loop().create_task(self._feed(replica))
             for replica in set(self._feeds) - set(BOARD.stats):  # gone without its feed noticing
                 self._feeds.pop(replica).cancel()
                 self._replica_lost(replica, "no longer reported")
-            iterations, BOARD.iterations = BOARD.iterations, []
+            iterations = BOARD.iterations + PREFILL_BOARD.iterations
+            BOARD.iterations, PREFILL_BOARD.iterations = [], []
             counts = self.counts()
             for _, it in iterations:
                 it = dataclasses.replace(it, start_ns=it.start_ns - self._offset, end_ns=it.end_ns - self._offset)
                 self.on_step(StepOutput(it, [], counts))
-            self.on_replicas(sorted(BOARD.stats.values(), key=lambda s: s.replica))
+            self.on_replicas(sorted(self._stats(), key=lambda s: s.replica))
             await asyncio.sleep(PUBLISH_PERIOD_S)

@@ -7,6 +7,11 @@ ended: one message per iteration, never one per token or per request.
 Requests come in by ``submit`` and leave early by ``abort`` (KV freed here);
 a feed that closes (the ingress went away) aborts its requests.
 
+Disaggregated serving uses two pools of these. A prefill replica's
+``prefill`` computes a prompt, exports its KV and returns a ``Handoff``
+(the transport's ticket, not the KV); a decode replica's ``submit`` with a
+handoff fetches the KV, writes it into fresh blocks and decodes from there.
+
 With an OTLP endpoint in its environment, a replica adds one
 ``engine.replica`` span per request under the request's root span (its
 traceparent comes with the request), so a trace shows where it ran.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
@@ -30,10 +36,12 @@ import structlog
 from core.cluster.stats import engine_stats
 from core.sched.batch import IterationRecord
 from core.sched.engine import Engine, RequestOutput, StepOutput
-from core.sched.request import Request, Timeline
+from core.sched.request import Request, SamplingParams, Timeline
 from core.sched.step_loop import StepLoop
+from core.sched.timings import request_timings
 from scaleout.clock import shift, wall_offset_ns
-from scaleout.spec import Abort, Feed, FeedMessage, Job, ReplicaSpec
+from scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
+from scaleout.transfer import KvTransport, ObjectStoreTransport
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +68,11 @@ def build(spec: ReplicaSpec) -> Engine:
         from core.build import build_sim_engine
 
         engine, _ = build_sim_engine(
-            spec.scheduler, None, spec.kv_cache_gib, time_scale=spec.sim_time_scale, read_context=False
+            spec.scheduler,
+            None,
+            spec.kv_cache_gib,
+            time_scale=spec.sim_time_scale,
+            read_context=spec.sim_read_context,
         )
         return engine
     from core.build import ModelSettings, build_engine
@@ -85,6 +97,8 @@ class EngineReplica:
         self.fatal: str | None = None
         self._feeds: dict[str, asyncio.Queue[tuple[list[RequestOutput], int]]] = {}  # by ingress
         self._jobs: dict[str, Job] = {}  # running here, by request id
+        self._prefills: dict[str, asyncio.Future[RequestOutput]] = {}  # prompts computed for a decode replica
+        self.transport: KvTransport = ObjectStoreTransport()
         self._iterations: collections.deque[IterationRecord] = collections.deque(maxlen=2048)
         self._reports = 0
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -120,8 +134,13 @@ class EngineReplica:
             self.config_version = job.config_version
             await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
         req = job.request
-        req.arrival_ns = time.perf_counter_ns()  # this replica's clock; the ingress restores its own arrival
-        req.timeline = Timeline(arrival_ns=req.arrival_ns)
+        if job.kv is not None:  # its prompt's KV, from a prefill replica (raises if that is lost)
+            start = time.perf_counter()
+            req.kv_payload = await self.transport.receive(job.kv.ticket)
+            req.kv_imported = job.kv.tokens
+            job.kv_fetch_ms = (time.perf_counter() - start) * 1e3
+            job.kv = dataclasses.replace(job.kv, ticket=None)  # not pinning the payload while this decodes
+        self._arrived(req)
         self._jobs[req.request_id] = job
         try:
             await asyncio.wrap_future(self.step_loop.submit(req))
@@ -129,6 +148,36 @@ class EngineReplica:
             self._jobs.pop(req.request_id, None)
             raise
         return self.name
+
+    async def prefill(self, job: Job) -> Handoff:
+        """Compute the prompt here, export its KV and hand it off (a decode
+        replica samples the first token). Cancelling the call aborts it."""
+        self._aio = asyncio.get_running_loop()
+        if job.config_version > self.config_version:
+            self.config_version = job.config_version
+            await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
+        req = job.request
+        req.sampling, req.kv_export = SamplingParams(max_tokens=1, ignore_eos=True), True
+        self._arrived(req)
+        done = self._prefills[req.request_id] = self._aio.create_future()
+        try:
+            await asyncio.wrap_future(self.step_loop.submit(req))
+            out = await done
+        except asyncio.CancelledError:
+            self.step_loop.abort(req.request_id)
+            raise
+        finally:
+            self._prefills.pop(req.request_id, None)
+        if req.kv_payload is None:
+            raise RuntimeError(f"the prefill ended ({out.finish_reason}) without its KV")
+        shift(req.timeline, self.wall_offset)
+        self._trace(req, job.traceparent, "engine.prefill")
+        ticket = await self.transport.send(req.kv_payload)
+        return Handoff(self.name, req.num_prompt_tokens - 1, ticket, req.timeline)
+
+    def _arrived(self, req: Request) -> None:
+        req.arrival_ns = time.perf_counter_ns()  # this replica's clock; the ingress restores its own arrival
+        req.timeline = Timeline(arrival_ns=req.arrival_ns)
 
     async def ping(self) -> str:
         """A call any replica answers: it makes the gateway's handle start its router."""
@@ -150,21 +199,28 @@ class EngineReplica:
         """One iteration's outputs, split by ingress onto their feeds."""
         by_ingress: dict[str, list[RequestOutput]] = {}
         for o in outputs:
+            if o.finish_reason is not None and (prefill := self._prefills.get(o.request_id)) is not None:
+                if not prefill.done():
+                    prefill.set_result(o)
+                continue
             job = self._jobs.get(o.request_id)
             if job is None:
                 continue
             if o.finish_reason is not None:
                 del self._jobs[o.request_id]
                 if o.request is not None:
-                    shift(o.request.timeline, self.wall_offset)  # onto the wall clock for the trip
-                    self._trace(o.request, job.traceparent)
+                    tl = o.request.timeline
+                    shift(tl, self.wall_offset)  # onto the wall clock for the trip
+                    self._trace(o.request, job.traceparent, "engine.replica", job)
+                    if job.kv is not None:  # its prompt's phases happened on the prefill replica
+                        tl.scheduled_ns, tl.chunks = job.kv.timeline.scheduled_ns, job.kv.timeline.chunks + tl.chunks
             by_ingress.setdefault(job.ingress, []).append(o)
         for ingress, outs in by_ingress.items():
             queue = self._feeds.get(ingress)
             if queue is not None:
                 queue.put_nowait((outs, emit_wall_ns))
 
-    def _trace(self, req: Request, traceparent: str | None) -> None:
+    def _trace(self, req: Request, traceparent: str | None, name: str, job: Job | None = None) -> None:
         """This replica's span of the request (its timeline is on the wall clock by now)."""
         if self.tracer is None or traceparent is None:
             return
@@ -172,7 +228,7 @@ class EngineReplica:
 
         tl = req.timeline
         parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
-        span = self.tracer.start_span("engine.replica", parent, start_time=tl.arrival_ns)
+        span = self.tracer.start_span(name, parent, start_time=tl.arrival_ns)
         span.set_attributes(
             {
                 "stallfree.replica": self.name,
@@ -181,6 +237,14 @@ class EngineReplica:
                 "gen_ai.usage.output_tokens": req.num_output_tokens,
             }
         )
+        if job is not None and job.kv is not None:  # took over from a prefill replica
+            span.set_attributes(
+                {
+                    "stallfree.prefill_replica": job.kv.replica,
+                    "stallfree.prefill_ms": request_timings(job.kv.timeline).e2e_ms,
+                    "stallfree.kv_fetch_ms": job.kv_fetch_ms,
+                }
+            )
         span.end(tl.finished_ns or tl.arrival_ns)
 
     def _set_config(self, job: Job) -> None:

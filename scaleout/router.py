@@ -21,25 +21,28 @@ from scaleout.board import Board
 from scaleout.spec import Abort, Feed
 
 
-def _board() -> Board:
+def _board(pool: str) -> Board:
     """The gateway process's board, looked up when called: Serve ships this
     class to the handle by value, with its own copy of this module's globals."""
     from scaleout import board
 
-    return board.BOARD
+    return board.BOARDS[pool]
 
 
 class StallfreeRequestRouter(RequestRouter):
     """No FIFOMixin: it hands a chosen replica to the oldest waiting call,
     which breaks calls routed to one named replica (a feed, an abort)."""
 
-    def initialize_state(self, router: str = "cost", cost: CostModel | None = None, **_: Any) -> None:
+    def initialize_state(
+        self, router: str = "cost", cost: CostModel | None = None, pool: str = "engine", **_: Any
+    ) -> None:
+        self.pool = pool
         # a report taken before a request reached the replica does not count it yet
-        self.policy = _board().router = make_router(router, cost or CostModel(), settle_reports=2)
+        self.policy = _board(pool).router = make_router(router, cost or CostModel(), settle_reports=2)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        _board().report(replicas)
+        _board(self.pool).report(replicas)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -51,7 +54,7 @@ class StallfreeRequestRouter(RequestRouter):
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         if isinstance(call, Feed | Abort):  # for one replica only: wait while it is unavailable
             return [[by_name[call.replica]]] if call.replica in by_name else []
-        board = _board()
+        board = _board(self.pool)
         head = call.request.prefill_after
         if head is not None and board.placed.get(head) in by_name:  # choices of one prompt share its KV
             name = board.placed[head]

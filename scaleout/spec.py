@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from core.sched.config import SchedulerConfig
 from core.sched.engine import RequestOutput
-from core.sched.request import Request
+from core.sched.request import Request, Timeline
 
 
 @dataclass(slots=True, frozen=True)
@@ -16,6 +16,7 @@ class ReplicaSpec:
     scheduler: SchedulerConfig
     sim: bool = False  # the cost-model runner, in real time (tests, and routers without a model)
     sim_time_scale: float = 1.0
+    sim_read_context: bool = False  # sampled tokens hash the KV read back (tests of KV transfer)
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -34,6 +35,19 @@ class Job:
     config: SchedulerConfig
     config_version: int
     traceparent: str | None = None  # the request's root span, for the replica's own span
+    kv: Handoff | None = None  # disaggregated: its prompt's KV, computed on a prefill replica
+    kv_fetch_ms: float = 0.0  # (set by the decode replica: how long fetching that KV took)
+
+
+@dataclass(slots=True, frozen=True)
+class Handoff:
+    """A prompt's KV, computed on a prefill replica: what a decode replica
+    needs to take the request over (the KV of all but its last prompt token)."""
+
+    replica: str  # the prefill replica
+    tokens: int  # whose KV the payload holds: the prompt's first ``tokens``
+    ticket: object  # the payload's, from the transport (``scaleout.transfer``)
+    timeline: Timeline  # there, on the wall clock: its queue wait and chunks join the decode replica's
 
 
 @dataclass(slots=True, frozen=True)

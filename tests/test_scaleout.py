@@ -20,7 +20,7 @@ from gateway.serve import make_server
 from gateway.settings import GatewaySettings
 from gateway.tracing import Tracing
 from scaleout import app
-from scaleout.board import BOARD
+from scaleout.board import BOARD, PREFILL_BOARD
 from scaleout.remote import RemoteEngine
 from scaleout.spec import ReplicaSpec
 from tests.test_gateway_ws import check_stream, collect, recv, send
@@ -29,9 +29,10 @@ from tests.test_observability import TRACE_ID, OtlpReceiver, attrs
 
 class RayCluster:
     """Ray, 2 sim replicas behind the cost router, and the gateway on port 0,
-    both tracing to an in-test OTLP receiver."""
+    both tracing to an in-test OTLP receiver. ``prefill``: that many prefill
+    replicas too, the 2 others decoding (disaggregated serving)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill: int = 0) -> None:
         from core.build import build_sim_engine
 
         self.receiver = OtlpReceiver()
@@ -50,21 +51,25 @@ class RayCluster:
             SchedulerConfig(max_num_seqs=64, token_budget=512),
             sim=True,
             sim_time_scale=0.2,
+            sim_read_context=prefill > 0,  # tokens that hash the KV read back: it must arrive intact
             kv_cache_gib=0.5,
             stats_period_s=0.1,
         )
-        app.start_ray(None, 2, 1)
-        handle = app.deploy(self.spec, 2, "cost")
+        self.replicas = 2 + prefill
+        app.start_ray(None, self.replicas, 1, object_store_gib=0.5)
+        handle = app.deploy(self.spec, 2, "least_loaded" if prefill else "cost")
+        prefill_handle = app.deploy(self.spec, prefill, "cost", pool="prefill") if prefill else None
 
         def remote(client: EngineClient) -> RemoteEngine:
             return RemoteEngine(
                 handle,
                 self.spec,
-                2,
+                self.replicas,
                 self.tokenizer.vocab_size,
                 client._on_step,
                 client.on_replicas,
                 self.tracing.traceparent,
+                prefill_handle,
             )
 
         self.client = EngineClient(
@@ -79,7 +84,7 @@ class RayCluster:
             time.sleep(0.02)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url, self.ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/stream"
-        self.wait_ready(2)
+        self.wait_ready(self.replicas)
 
     def readyz(self) -> dict:
         return httpx.get(self.url + "/readyz", timeout=5).json()
@@ -92,7 +97,8 @@ class RayCluster:
         return body
 
     def kv_used(self) -> dict[str, int]:
-        return {name: s.kv_used_blocks for name, s in BOARD.stats.items()}
+        """Each replica's used KV blocks, prefill replicas' included."""
+        return {name: s.kv_used_blocks for b in (BOARD, PREFILL_BOARD) for name, s in b.stats.items()}
 
     def wait_kv_baseline(self, timeout: float = 15.0) -> dict[str, int]:
         """Each replica's used KV blocks once all are back to 0 (or as they stood at the deadline)."""
