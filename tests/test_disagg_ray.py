@@ -18,8 +18,11 @@ from websockets.asyncio.client import connect
 
 from core.build import build_sim_engine
 from core.cluster.stats import prompt_hashes
-from core.sched.request import Request, SamplingParams
+from core.sched.config import SchedulerConfig
+from core.sched.request import FinishReason, Request, SamplingParams, Timeline
 from scaleout.board import BOARD, PREFILL_BOARD
+from scaleout.remote import RemoteEngine
+from scaleout.spec import Handoff, Job, ReplicaSpec
 from tests.test_gateway_ws import check_stream, collect, recv, send
 from tests.test_observability import TRACE_ID, attrs
 from tests.test_scaleout import RayCluster
@@ -192,3 +195,95 @@ def test_serve_refuses_replicas_with_disaggregate():
         timeout=120,
     )
     assert out.returncode != 0 and "--replicas and --disaggregate are exclusive" in out.stderr
+
+
+class FakeHandle:
+    """A DeploymentHandle stand-in: each method an async function of the call's argument."""
+
+    def __init__(self, **methods) -> None:
+        self.methods, self.calls = methods, []
+
+    def options(self, method_name: str, **_) -> FakeHandle.Bound:
+        return FakeHandle.Bound(self, method_name)
+
+    class Bound:
+        def __init__(self, handle: FakeHandle, name: str) -> None:
+            self.handle, self.name = handle, name
+
+        def remote(self, arg=None) -> FakeHandle.Response:
+            self.handle.calls.append((self.name, arg))
+            return FakeHandle.Response(self.handle.methods[self.name](arg))
+
+    class Response:
+        def __init__(self, coro) -> None:
+            self.task = asyncio.ensure_future(coro)
+
+        def __await__(self):
+            return self.task.__await__()
+
+        def cancel(self) -> None:
+            self.task.cancel()
+
+
+def remote_engine(decode: FakeHandle, prefill: FakeHandle, outputs: list) -> RemoteEngine:
+    spec = ReplicaSpec(SchedulerConfig(), sim=True)
+    return RemoteEngine(decode, spec, 2, 1000, outputs.append, lambda stats: None, prefill=prefill)  # type: ignore[arg-type]
+
+
+async def settle(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+
+
+def handoff(job: Job, n: int) -> Handoff:
+    return Handoff(f"p{n}", job.request.num_prompt_tokens - 1, [f"ticket{n}"], Timeline(0))
+
+
+async def test_kv_that_cannot_be_fetched_any_more_is_computed_again():
+    prefills = []
+
+    async def prefill(job):
+        prefills.append(job)
+        return handoff(job, len(prefills))
+
+    async def submit(job):
+        if job.kv.ticket == ["ticket1"]:  # its prefill replica died since: the fetch fails there
+            raise RuntimeError("owner died")
+        return "d0"
+
+    outputs: list = []
+    decode = FakeHandle(submit=submit)
+    engine = remote_engine(decode, FakeHandle(prefill=prefill), outputs)
+    engine.submit(Request("r", list(range(40)), SamplingParams(max_tokens=4), 0))
+    await settle(lambda: engine._inflight["r"].replica == "d0")
+    assert len(prefills) == 2 and [job.kv.ticket for _, job in decode.calls] == [["ticket1"], ["ticket2"]]
+    assert not outputs  # nothing ended: the request runs on d0
+
+
+async def test_the_choices_of_a_prompt_await_one_prefill_and_a_cancel_of_all_stops_it():
+    release, cancelled = asyncio.Event(), []
+
+    async def prefill(job):
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.append(job.request.request_id)
+            raise
+        return handoff(job, 1)
+
+    outputs: list = []
+    decode = FakeHandle(submit=lambda job: asyncio.sleep(0, "d0"))
+    prefiller = FakeHandle(prefill=prefill)
+    engine = remote_engine(decode, prefiller, outputs)
+    engine.submit(Request("a", list(range(40)), SamplingParams(max_tokens=4), 0))
+    engine.submit(Request("a-1", list(range(40)), SamplingParams(max_tokens=4), 0, prefill_after="a"))
+    await settle(lambda: len(prefiller.calls) == 1)
+    engine.abort("a")
+    await asyncio.sleep(0.01)
+    assert not cancelled  # "a-1" still wants that prompt
+    engine.abort("a-1")
+    await settle(lambda: len(outputs) == 2)
+    assert cancelled == ["a"] and len(prefiller.calls) == 1 and not decode.calls
+    assert {o.outputs[0].finish_reason for o in outputs} == {FinishReason.ABORT}
