@@ -130,9 +130,7 @@ class EngineReplica:
         """Queue a request; its outputs go to its ingress's feed. Returns this replica's name."""
         self._aio = asyncio.get_running_loop()
         self._feeds.setdefault(job.ingress, asyncio.Queue())
-        if job.config_version > self.config_version:
-            self.config_version = job.config_version
-            await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
+        await self._catch_up(job)
         req = job.request
         if job.kv is not None:  # its prompt's KV, from a prefill replica (raises if that is lost)
             start = time.perf_counter()
@@ -153,9 +151,7 @@ class EngineReplica:
         """Compute the prompt here, export its KV and hand it off (a decode
         replica samples the first token). Cancelling the call aborts it."""
         self._aio = asyncio.get_running_loop()
-        if job.config_version > self.config_version:
-            self.config_version = job.config_version
-            await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
+        await self._catch_up(job)
         req = job.request
         req.sampling, req.kv_export = SamplingParams(max_tokens=1, ignore_eos=True), True
         self._arrived(req)
@@ -174,6 +170,12 @@ class EngineReplica:
         self._trace(req, job.traceparent, "engine.prefill")
         ticket = await self.transport.send(req.kv_payload)
         return Handoff(self.name, req.num_prompt_tokens - 1, ticket, req.timeline)
+
+    async def _catch_up(self, job: Job) -> None:
+        """Apply the ingress's settings first if this replica has older ones."""
+        if job.config_version > self.config_version:
+            self.config_version = job.config_version
+            await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
 
     def _arrived(self, req: Request) -> None:
         req.arrival_ns = time.perf_counter_ns()  # this replica's clock; the ingress restores its own arrival

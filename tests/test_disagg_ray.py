@@ -287,3 +287,22 @@ async def test_the_choices_of_a_prompt_await_one_prefill_and_a_cancel_of_all_sto
     await settle(lambda: len(outputs) == 2)
     assert cancelled == ["a"] and len(prefiller.calls) == 1 and not decode.calls
     assert {o.outputs[0].finish_reason for o in outputs} == {FinishReason.ABORT}
+
+
+async def test_a_decode_replica_lost_before_the_first_token_hands_the_same_kv_to_another():
+    prefills = []
+
+    async def prefill(job):
+        prefills.append(job)
+        return handoff(job, len(prefills))
+
+    replicas = iter(("d0", "d1"))
+    decode = FakeHandle(submit=lambda job: asyncio.sleep(0, next(replicas)))
+    outputs: list = []
+    engine = remote_engine(decode, FakeHandle(prefill=prefill), outputs)
+    engine.submit(Request("r", list(range(40)), SamplingParams(max_tokens=4), 0))
+    await settle(lambda: engine._inflight["r"].replica == "d0")
+    engine._replica_lost("d0", "killed")  # what its feed's end reports
+    await settle(lambda: engine._inflight["r"].replica == "d1")
+    assert len(prefills) == 1 and [job.kv.ticket for _, job in decode.calls] == [["ticket1"], ["ticket1"]]
+    assert not outputs
