@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -134,7 +135,7 @@ def predict(args: argparse.Namespace, profile: Profile, link: Link) -> dict[str,
     ]
     config = SchedulerConfig(max_num_seqs=64, max_model_len=4096, token_budget=BUDGET)
     cache, cost = CacheConfig(8192, 16), profile.cost_model
-    unchunked = SchedulerConfig(max_num_seqs=64, max_model_len=4096, token_budget=BUDGET, chunking=Chunking.NONE)
+    unchunked = dataclasses.replace(config, chunking=Chunking.NONE)
     return {
         "disaggregated 1:1": predicted(simulate_disaggregated(arrivals, 1, 1, link, config, cache, cost)),
         "chunked, 2 colocated": predicted(simulate_colocated(arrivals, 2, config, cache, cost)),

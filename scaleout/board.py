@@ -1,8 +1,8 @@
 """The gateway process's view of the replicas, as their last reports said.
 
 Serve's router (``scaleout.router``) posts each replica's routing report
-on its pool's board; ``RemoteEngine`` reads it for counts, readiness, metrics and the
-dashboard's iterations.
+on its pool's board; ``RemoteEngine`` reads the boards for counts,
+readiness, metrics and the dashboard's iterations.
 """
 
 from __future__ import annotations
