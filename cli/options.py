@@ -95,6 +95,7 @@ SCHEDULER_FIELDS = (
     "dynamic_chunking",
     "decode_reserve_tokens",
     "long_prefill_tokens",
+    "tbt_slo_ms",
 )
 
 
@@ -119,6 +120,12 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="prompts with more tokens than this left to prefill are long: short ones go first "
         "(default 0: the token budget)",
+    )
+    g.add_argument(
+        "--tbt-slo-ms",
+        type=float,
+        help="TBT target: while decodes run, each iteration's prefill is cut so its predicted time stays "
+        "within this many ms (default 0: off; the token budget alone)",
     )
 
 

@@ -25,6 +25,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     sv.add_argument("--model-name", help="the model id the API reports (default: the model's own name)")
     add_scheduler_args(sv)
     sv.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target for --token-budget auto")
+    sv.add_argument(
+        "--profile",
+        type=Path,
+        help="cost model from `stallfree profile` (default: the one saved for this model, dtype and threads)",
+    )
     gw = sv.add_argument_group("gateway")
     gw.add_argument("--api-key", action="append", help="require this key (repeatable; also STALLFREE_API_KEYS)")
     gw.add_argument(
@@ -104,15 +109,18 @@ def run(args: argparse.Namespace) -> None:
         settings.model_name = "stallfree-sim"
         facts = {"runner": "simulated"}
     else:
-        from core.analysis.profiler import saved_or_quick_profile
-        from core.build import build_engine
+        from core.build import engine_over, load_runner, startup_profile
 
         settings_model = model_settings(args)
         if settings_model.threads is None:
             # leave a core to the event loop, tokenization and local clients
             # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
             settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
-        engine, runner = build_engine(settings_model, config)
+        runner = load_runner(settings_model)
+        # a target in time, the auto budget and dynamic chunking deserve a fitted model, measured now if none is saved
+        measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms)
+        prof, source = startup_profile(runner, args.profile, measure)
+        engine = engine_over(runner, config, prof)
         tokenizer = runner.tokenizer
         settings.model_name = args.model_name or runner.config.name
         facts = {
@@ -121,15 +129,13 @@ def run(args: argparse.Namespace) -> None:
             "threads": runner.threads,
             "device": str(runner.device),
             "kernels": runner.kernels,
+            "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
         }
-        if auto_budget or args.dynamic_chunking:
-            prof, source = saved_or_quick_profile(runner, engine.kv.num_blocks, runner.threads)
-            engine.scheduler.chunk_limit = prof.cost_model.level_chunk
-            facts["profile"] = source
-            if auto_budget:
-                budget, how = choose_budget(prof.points, args.tpot_slo_ms)
-                engine.warnings += engine.reconfigure({"token_budget": budget})
-                facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
+        if auto_budget:
+            assert prof is not None
+            budget, how = choose_budget(prof.points, args.tpot_slo_ms)
+            engine.warnings += engine.reconfigure({"token_budget": budget})
+            facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
     # the step thread's Python (scheduling, input prep) holds the GIL in 5 ms
     # slices by default, delaying the event loop's fan-out by as much
     sys.setswitchinterval(args.switch_interval_ms / 1e3)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from core.analysis.cost_model import CostModel, HardwareSpec
+from core.analysis.cost_model import ARTICLE_GPU, CostModel, HardwareSpec
+from core.analysis.online_cost import OnlineCost
+from core.analysis.profiler import Profile, runner_profile_path, saved_or_quick_profile, saved_profile
 from core.analysis.sim_runner import SimRunner
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path, gguf_config, load_model
@@ -20,6 +23,8 @@ from core.sched.engine import Engine
 # Roughly this 2-core CPU running the embedded SmolLM2 in bf16 (fitted by
 # `stallfree profile`); the simulated server's default cost.
 CPU_LIKE = HardwareSpec("cpu-like", flops=0.5e12, mem_bw=10e9, overhead_s=0.007, attention_flops=0.16e12)
+# A GPU's roofline with a launch-bound floor per iteration (a small model on CUDA).
+GPU_LIKE = dataclasses.replace(ARTICLE_GPU, name="gpu-like", overhead_s=0.005)
 
 
 @dataclass(slots=True)
@@ -38,20 +43,50 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_engine(settings: ModelSettings, scheduler: SchedulerConfig) -> tuple[Engine, ModelRunner]:
-    """Load the model, size the KV cache, and return an engine over it.
-
-    ``max_model_len`` is capped at the model's context length.
-    """
+def load_runner(settings: ModelSettings) -> ModelRunner:
+    """Load the model and size its KV cache."""
     threads = settings.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     loaded = load_model(settings.model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     num_blocks = kv_blocks_for(loaded, int(settings.kv_cache_gib * 2**30), settings.block_size, dtype)
-    runner = ModelRunner(loaded, num_blocks, settings.block_size, dtype, device)
-    scheduler = dataclasses.replace(scheduler, max_model_len=min(scheduler.max_model_len, loaded.config.max_position))
-    return Engine(scheduler, CacheConfig(num_blocks, settings.block_size), runner), runner
+    return ModelRunner(loaded, num_blocks, settings.block_size, dtype, device)
+
+
+def startup_profile(runner: ModelRunner, path: Path | None = None, measure: bool = False) -> tuple[Profile | None, str]:
+    """The profile an engine's cost model starts from, and where it came from:
+    ``path`` (from ``stallfree profile``); else, with ``measure``, the one saved
+    for this model, dtype and thread count or a quick one measured now (and
+    saved); else the saved one if any; else none (``prior_cost`` then)."""
+    if path is not None:
+        return Profile.load(path), str(path)
+    if measure:
+        return saved_or_quick_profile(runner)
+    saved = saved_profile(runner)
+    return (saved, str(runner_profile_path(runner))) if saved is not None else (None, "none")
+
+
+def prior_cost(runner: ModelRunner) -> CostModel:
+    """A rough roofline for the device, until a profile fits one (the engine's
+    online correction scales it to what iterations measure)."""
+    hardware = GPU_LIKE if runner.device.type == "cuda" else CPU_LIKE
+    return CostModel(runner.config.spec(runner.dtype.itemsize), hardware, attention=True, kv_reads=True)
+
+
+def engine_over(runner: ModelRunner, scheduler: SchedulerConfig, profile: Profile | None = None) -> Engine:
+    """An engine on this runner whose cost model (the profile's, else the
+    prior) is corrected online; ``max_model_len`` is capped at the model's context length."""
+    scheduler = dataclasses.replace(scheduler, max_model_len=min(scheduler.max_model_len, runner.config.max_position))
+    cost = profile.cost_model if profile is not None else prior_cost(runner)
+    return Engine(scheduler, CacheConfig(runner.num_blocks, runner.block_size), runner, cost=OnlineCost(cost))
+
+
+def build_engine(settings: ModelSettings, scheduler: SchedulerConfig) -> tuple[Engine, ModelRunner]:
+    """Load the model and return an engine over it (cost model: the saved profile, else the prior)."""
+    runner = load_runner(settings)
+    profile, _ = startup_profile(runner)
+    return engine_over(runner, scheduler, profile), runner
 
 
 def build_sim_engine(
@@ -71,4 +106,5 @@ def build_sim_engine(
         cost = CostModel(gguf_config(gguf).spec(2), CPU_LIKE, attention=True, kv_reads=True)
     num_blocks = max(1, int(kv_cache_gib * 2**30) // (block_size * cost.model.kv_bytes_per_token))
     runner = SimRunner(cost, block_size, None, tokenizer.vocab_size, time_scale, read_context)
-    return Engine(scheduler, CacheConfig(num_blocks, block_size), runner, chunk_limit=cost.level_chunk), tokenizer
+    scaled = OnlineCost(cost)  # learns the time scale and the sleeps' overshoot
+    return Engine(scheduler, CacheConfig(num_blocks, block_size), runner, cost=scaled), tokenizer

@@ -32,7 +32,12 @@ class TelemetryHub:
             if not self.subscribers:
                 continue
             cfg = self.client.snapshot.config
-            config = {"chunking": cfg.chunking, "token_budget": cfg.token_budget, "policy": cfg.policy}
+            config = {
+                "chunking": cfg.chunking,
+                "token_budget": cfg.token_budget,
+                "policy": cfg.policy,
+                "tbt_slo_ms": cfg.tbt_slo_ms,
+            }
             text = orjson.dumps(self.client.telemetry.frame(config)).decode()
             for sub in list(self.subscribers):
                 try:

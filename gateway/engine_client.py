@@ -26,7 +26,7 @@ from core.sched.engine import Engine, EngineSnapshot, RequestOutput, RequestReje
 from core.sched.request import FinishReason, Request
 from core.sched.step_loop import StepLoop
 from gateway.metrics import Metrics
-from gateway.observers import Observer, RequestLog
+from gateway.observers import Observer, RequestLog, TargetLog
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
@@ -57,7 +57,7 @@ class EngineClient:
         self.metrics = Metrics()
         self.telemetry = Telemetry()
         self.tracing = tracing
-        self.observers: list[Observer] = [self.metrics, self.telemetry, RequestLog(tokenizer, log_text)]
+        self.observers: list[Observer] = [self.metrics, self.telemetry, RequestLog(tokenizer, log_text), TargetLog()]
         if tracing is not None:
             self.observers.append(tracing)
         if remote is not None:

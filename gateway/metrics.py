@@ -49,6 +49,8 @@ LATENCY_BUCKETS = (
     30.0,
     60.0,
 )
+# measured / predicted iteration time: 1 is a perfect prediction
+RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 class Metrics(Observer):
@@ -66,6 +68,20 @@ class Metrics(Observer):
         self.decode = hist("decode", "First token to finish")
         self.e2e = hist("e2e", "Arrival to finish")
         self.iteration = hist("iteration_duration", "Engine iteration wall time")
+        self.prediction_error = Histogram(
+            "stallfree_iteration_prediction_error_ratio",
+            "Each iteration's measured / predicted time (the cost model, corrected online)",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.tbt_slo = Gauge("stallfree_tbt_slo_seconds", "TBT target sizing each iteration (0: off)", registry=r)
+        self.target_missed = Counter(
+            "stallfree_tbt_target_missed",
+            "Iterations with decodes that ran over the TBT target, by why: decodes (they alone fill it), "
+            "floor (prefill kept moving), prediction (sized within, measured over)",
+            ["reason"],
+            registry=r,
+        )
         self.running = Gauge("stallfree_requests_running", "Requests admitted (prefilling or decoding)", registry=r)
         self.waiting = Gauge("stallfree_requests_waiting", "Requests waiting for admission", registry=r)
         self.partial = Gauge("stallfree_partial_prefills", "Prompts partly prefilled", registry=r)
@@ -101,6 +117,11 @@ class Metrics(Observer):
 
     def on_iteration(self, it: IterationRecord) -> None:
         self.iteration.observe(it.duration_ns / 1e9)
+        if it.predicted_ns:
+            self.prediction_error.observe(it.duration_ns / it.predicted_ns)
+        if it.target_missed is not None:
+            self.target_missed.labels(it.target_missed).inc()
+        self.tbt_slo.set(it.tbt_slo_ms / 1e3)
         self.token_budget.set(it.token_budget)
         self.chunking.state(it.chunking)
         if it.preemptions:

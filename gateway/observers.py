@@ -8,6 +8,7 @@ never costs anybody their tokens.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import structlog
@@ -68,3 +69,33 @@ class RequestLog(Observer):
             fields["prompt"] = self.tokenizer.decode(req.prompt_token_ids)
             fields["completion"] = self.tokenizer.decode(req.output_token_ids)
         log.info("request_finished", **fields)
+
+
+class TargetLog(Observer):
+    """A ``tbt_target_missed`` line when iterations run over the TBT target:
+    at most one a second (it counts the misses since the previous line, by
+    reason) and the shape of the last one, so a log is readable under load."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_ns = int(period_s * 1e9)
+        self._missed: Counter[str] = Counter()
+        self._last_line_ns: int | None = None
+
+    def on_iteration(self, it: IterationRecord) -> None:
+        if it.target_missed is None:
+            return
+        self._missed[it.target_missed] += 1
+        if self._last_line_ns is not None and it.end_ns - self._last_line_ns < self.period_ns:
+            return
+        log.warning(
+            "tbt_target_missed",
+            iterations=dict(self._missed),
+            tbt_slo_ms=it.tbt_slo_ms,
+            last_ms=round(it.duration_ns / 1e6, 2),
+            last_predicted_ms=round(it.predicted_ns / 1e6, 2),
+            last_reason=it.target_missed,
+            last_decode_tokens=it.decode_tokens,
+            last_prefill_tokens=it.prefill_tokens,
+        )
+        self._missed.clear()
+        self._last_line_ns = it.end_ns

@@ -29,7 +29,9 @@ class Telemetry(Observer):
     def __init__(self) -> None:
         self._t0 = time.perf_counter_ns()
         self._gaps: list[list[float]] = []  # [series slot, t ms, gap ms, stalled]
-        self._iterations: list[list[float]] = []  # [t ms, duration ms, decode, prefill, budget]
+        # [t ms, duration ms, decode, prefill, budget, predicted ms, TBT target ms]
+        self._iterations: list[list[float]] = []
+        self._missed = 0  # iterations over the TBT target, since start
         self._ttfts: list[list[Any]] = []  # [request id, queue ms, prefill ms]
         self._window: deque[tuple[int, float]] = deque(maxlen=20_000)  # (t ns, gap ms)
         self._slots: dict[str, int] = {}
@@ -41,6 +43,7 @@ class Telemetry(Observer):
 
     def on_iteration(self, it: IterationRecord) -> None:
         self._last = it
+        self._missed += it.target_missed is not None
         if len(self._iterations) < MAX_PENDING:
             self._iterations.append(
                 [
@@ -49,6 +52,8 @@ class Telemetry(Observer):
                     it.decode_tokens,
                     it.prefill_tokens,
                     it.token_budget,
+                    round(it.predicted_ns / 1e6, 2),
+                    it.tbt_slo_ms,
                 ]
             )
 
@@ -124,7 +129,7 @@ class Telemetry(Observer):
                 "count": len(gaps),
                 "window_s": WINDOW_S,
             },
-            "state": {**self._state(), **config},
+            "state": {**self._state(), "target_missed": self._missed, **config},
         }
         if self._replicas:
             frame["replicas"] = [

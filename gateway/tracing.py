@@ -168,9 +168,13 @@ class Tracing(Observer):
                 "stallfree.prefill_tokens": it.prefill_tokens,
                 "stallfree.token_budget": it.token_budget,
                 "stallfree.iteration_ms": it.duration_ns / 1e6,
+                "stallfree.predicted_ms": it.predicted_ns / 1e6,
+                "stallfree.tbt_slo_ms": it.tbt_slo_ms,
                 "stallfree.chunking": it.chunking,
             },
         )
+        if it.target_missed is not None:
+            span.set_attribute("stallfree.tbt_target_missed", it.target_missed)
         span.end(self._wall(it.end_ns))
 
     def shutdown(self, timeout_s: float = 3.0) -> None:

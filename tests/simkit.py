@@ -23,10 +23,13 @@ def request(
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, **sampling), arrival_ns, priority)
 
 
-def sim_engine(num_blocks: int = 256, block_size: int = 4, prefix_caching: bool = True, **sched) -> Engine:
-    """An engine on SimRunner with a virtual clock (engine.clock)."""
+def sim_engine(
+    num_blocks: int = 256, block_size: int = 4, prefix_caching: bool = True, cost: CostModel | None = None, **sched
+) -> Engine:
+    """An engine on SimRunner with a virtual clock (engine.clock); by default
+    the article's model and GPU, with attention."""
     clock = VirtualClock()
-    cost = CostModel(attention=True)
+    cost = cost or CostModel(attention=True)
     runner = SimRunner(cost, block_size, clock)
     sched.setdefault("max_num_seqs", 8)
     sched.setdefault("token_budget", 32)
@@ -35,7 +38,7 @@ def sim_engine(num_blocks: int = 256, block_size: int = 4, prefix_caching: bool 
         CacheConfig(num_blocks, block_size, prefix_caching),
         runner,
         clock,
-        chunk_limit=cost.level_chunk,
+        cost,
     )
 
 

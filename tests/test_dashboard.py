@@ -106,33 +106,48 @@ async def test_chunking_toggle_changes_the_server_config(server, browser):
     cfg = (await asyncio.to_thread(httpx.get, server.url + "/api/config")).json()["scheduler"]
     assert cfg["chunking"] == "none"
     await page.page.fill("#budget", "320")
+    await page.page.fill("#tbt", "120")
     await page.page.select_option("#chunking", "stall_free")
     await page.page.click("#apply")
     await page.page.wait_for_function("document.getElementById('status').textContent.includes('budget 320')")
     cfg = (await asyncio.to_thread(httpx.get, server.url + "/api/config")).json()["scheduler"]
-    assert (cfg["chunking"], cfg["token_budget"]) == ("stall_free", 320)
+    assert (cfg["chunking"], cfg["token_budget"], cfg["tbt_slo_ms"]) == ("stall_free", 320, 120)
+    assert "TBT target 120" in await page.page.inner_text("#status")
     assert page.errors == []
-    await asyncio.to_thread(httpx.put, server.url + "/api/config", json={"token_budget": 256})
+    await page.page.fill("#tbt", "-5")
+    await page.page.click("#apply")
+    await page.page.wait_for_function("document.getElementById('status').textContent.includes('tbt_slo_ms must be')")
+    assert all("400 (Bad Request)" in e for e in page.errors)  # the browser logs the refusal, nothing else
+    await asyncio.to_thread(httpx.put, server.url + "/api/config", json={"token_budget": 256, "tbt_slo_ms": 0})
 
 
-@pytest.mark.parametrize("chunking", ["stall_free", "none"])
+@pytest.mark.parametrize("chunking", ["stall_free", "none", "tbt"])
 async def test_demo_shows_the_long_prompt_in_the_iteration_chart(server, browser, chunking):
-    await asyncio.to_thread(httpx.put, server.url + "/api/config", json={"chunking": chunking})
+    tbt_slo_ms = 25.0 if chunking == "tbt" else 0.0
+    chunking = "stall_free" if chunking == "tbt" else chunking
+    config = {"chunking": chunking, "tbt_slo_ms": tbt_slo_ms}
+    await asyncio.to_thread(httpx.put, server.url + "/api/config", json=config)
     page = await open_page(browser, server.url + "/")
     await page.page.click("#demo")
     await page.page.wait_for_function("window.dashboard.demoDone", timeout=120000)
     await page.page.wait_for_timeout(400)  # the last telemetry frame
     d = await page.page.evaluate("window.dashboard")
     assert d["prefillTokens"] > 3000  # the ~3,000-token prompt went through the iteration chart
-    if chunking == "stall_free":
+    assert d["predicted"] > 0  # the cost model's prediction is drawn beside each iteration
+    if tbt_slo_ms:
+        assert 0 < d["maxPrefillBesideDecodes"] < 200  # while the chats decode, the target cuts the chunks
+        assert "25 ms" in await page.page.inner_text("#mode")
+    elif chunking == "stall_free":
         assert d["maxPrefill"] <= 256  # spread over chunks within the budget
     else:
         assert d["maxPrefill"] > 2500  # one whole-prompt iteration: the frozen batch
     assert d["stalledPoints"] > 0  # the chats' gaps that overlapped it are marked
     assert "long prompt TTFT" in await page.page.inner_text("#status")
     ARTIFACTS.mkdir(exist_ok=True)
-    await page.page.screenshot(path=str(ARTIFACTS / f"dashboard-{chunking}.png"), full_page=True)
+    name = "tbt" if tbt_slo_ms else chunking
+    await page.page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"), full_page=True)
     assert page.errors == []
+    await asyncio.to_thread(httpx.put, server.url + "/api/config", json={"tbt_slo_ms": 0})
     await asyncio.to_thread(httpx.put, server.url + "/api/config", json={"chunking": "stall_free"})
 
 

@@ -214,6 +214,27 @@ def test_health_ready_and_live_config(server):
     assert r.json()["scheduler"]["token_budget"] == 512
 
 
+def test_tbt_target_is_a_live_setting_with_its_prediction_in_metrics(server):
+    assert "tbt_slo_ms" in httpx.get(server.url + "/api/config").json()["live_settings"]
+    r = httpx.put(server.url + "/api/config", json={"tbt_slo_ms": 80})
+    assert r.status_code == 200 and r.json()["scheduler"]["tbt_slo_ms"] == 80
+    assert httpx.get(server.url + "/api/config").json()["scheduler"]["tbt_slo_ms"] == 80
+    for bad in (-1, "fast", True, 1e9, None):
+        r = httpx.put(server.url + "/api/config", json={"tbt_slo_ms": bad})
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["code"] == "invalid_request" and "tbt_slo_ms" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/api/config").json()["scheduler"]["tbt_slo_ms"] == 80  # refused: unchanged
+    out = openai_client(server).completions.create(model="m", prompt="hello " * 30, max_tokens=8)
+    assert out.usage.completion_tokens == 8
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "stallfree_tbt_slo_seconds 0.08" in metrics
+    count = next(
+        line for line in metrics.splitlines() if line.startswith("stallfree_iteration_prediction_error_ratio_count")
+    )
+    assert float(count.split()[-1]) >= 8  # one per iteration: predicted beside measured
+    httpx.put(server.url + "/api/config", json={"tbt_slo_ms": 0})
+
+
 def test_api_keys_on_http():
     srv = sim_server(settings=GatewaySettings(api_keys=("k1", "k2")))
     try:

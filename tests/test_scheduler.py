@@ -51,10 +51,11 @@ def test_decodes_first_then_partial_then_new_within_budget():
 
 def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk():
     # Without a per-chunk limit a partial prefill takes all leftover budget, so
-    # at most one exists; with dynamic chunking (here a fixed 10-token limit)
-    # several can, and the cap bounds them.
-    e = sim_engine(token_budget=40, max_num_seqs=8, max_partial_prefills=2, dynamic_chunking=True)
-    e.scheduler.chunk_limit = lambda prefix, budget: 10
+    # at most one exists; with one (dynamic chunking, a TBT target; here a
+    # fixed 10 tokens) several can, and the cap bounds them.
+    e = sim_engine(token_budget=40, max_num_seqs=8, max_partial_prefills=2)
+    chunk = e.scheduler._chunk
+    e.scheduler._chunk = lambda *args: min(10, chunk(*args))
     for rid in ("long1", "long2", "long3"):
         e.add_request(request(rid, 100))
     e.add_request(request("short", 3))

@@ -12,9 +12,12 @@ every iteration:
 - KV blocks always cover computed tokens, and all return when the run ends;
 - the oldest long partial prefill gets a chunk in every iteration that has
   budget left after the decodes (short prompts go first, never all of it);
-- a preempted decode never has higher priority than one that was served.
+- a preempted decode never has higher priority than one that was served;
+- under a TBT target, an iteration with decodes is predicted within the
+  target unless the floor was in force (it says so), and every prompt still
+  finishes (the floor and the long prompt's share keep prefill moving).
 And: chunked, unchunked and decode-first runs, roomy or tight KV (with
-preemption), give identical token streams.
+preemption), sized by a TBT target or not, give identical token streams.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
 from core.sched.config import CHUNKING_MODES, POLICIES
 from core.sched.engine import RequestRejected
 from core.sched.request import FinishReason, RequestStatus
 from tests.simkit import request, sim_engine, tokens
 
 PREFIXES = {name: tokens(("prefix", name), 24) for name in ("sys-a", "sys-b")}
+# The article's model on a slow accelerator: 0.8 ms per token of compute, so a
+# target of a few tokens' time binds on these small batches.
+SLOW = CostModel(LLAMA3_8B, HardwareSpec("slow", flops=20e12, mem_bw=3e12), attention=True)
 
 
 @dataclass
@@ -63,6 +70,7 @@ config = st.fixed_dictionaries(
         "dynamic_chunking": st.booleans(),
         "max_defer_s": st.sampled_from([0.05, 0.2, 30.0]),
         "decode_reserve_tokens": st.sampled_from([0, 0, 4, 16]),
+        "tbt_slo_ms": st.sampled_from([0.0, 0.0, 5.0, 8.0, 15.0, 30.0]),
     }
 )
 
@@ -82,7 +90,7 @@ def run(
     max_model_len: int = 256,
 ):
     """Drive a trace to completion on a virtual clock; returns the engine and the requests."""
-    e = sim_engine(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, **cfg)
+    e = sim_engine(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, cost=SLOW, **cfg)
     if check is not None:
         e.scheduler.schedule = check(e, e.scheduler.schedule)
     reqs = [build(i, s) for i, s in enumerate(specs)]
@@ -131,6 +139,11 @@ def invariants(e, schedule):
         served = [i.request for i in batch.items if not i.is_prefill]
         for victim in batch.preempted:
             assert all(victim.priority >= r.priority for r in served), "preempted ahead of lower priority"
+        if batch.target_s:
+            assert cfg.tbt_slo_ms and batch.decode_tokens, "a target applies only while decodes run"
+            event(f"TBT floor in force: {batch.over_target}")
+            if batch.over_target is None:
+                assert e.scheduler.cost.iteration_s(*batch.shape()) <= batch.target_s, "sized over the target"
         cap = max(cfg.token_budget, cfg.max_model_len) if cfg.chunking == "none" else cfg.token_budget
         assert batch.num_tokens <= cap
         if cfg.chunking == "stall_free":
@@ -186,11 +199,12 @@ def test_invariants_hold_on_random_traces(specs, cfg, num_blocks, block_size):
 )
 def test_token_streams_identical_across_modes_and_memory(specs, budget, policy, tight_blocks):
     results = []
-    for chunking, blocks, dynamic in [
-        ("stall_free", 400, False),
-        ("none", 400, False),
-        ("decode_first", 400, False),
-        ("stall_free", tight_blocks, True),
+    for chunking, blocks, dynamic, tbt_slo_ms in [
+        ("stall_free", 400, False, 0.0),
+        ("none", 400, False, 0.0),
+        ("decode_first", 400, False, 0.0),
+        ("stall_free", tight_blocks, True, 0.0),
+        ("stall_free", 400, False, 8.0),
     ]:
         cfg = {
             "token_budget": budget,
@@ -199,9 +213,10 @@ def test_token_streams_identical_across_modes_and_memory(specs, budget, policy, 
             "policy": policy,
             "dynamic_chunking": dynamic,
             "decode_reserve_tokens": 0,
+            "tbt_slo_ms": tbt_slo_ms,
         }
         e, reqs = run(specs, cfg, blocks, 4, aborts=False, max_model_len=128)
         results.append([r.output_token_ids for r in reqs])
         if blocks == tight_blocks:
             event(f"tight run preempted: {e.scheduler.num_preemptions > 0}")
-    assert results[0] == results[1] == results[2] == results[3]
+    assert results[0] == results[1] == results[2] == results[3] == results[4]

@@ -13,7 +13,7 @@ const WS_BASE = (location.protocol === "https:" ? "wss://" : "ws://") + location
 // what the browser tests read
 const dash = window.dashboard = {
   connected: false, frames: 0, gapPoints: 0, stalledPoints: 0, iterations: 0,
-  maxPrefill: 0, prefillTokens: 0, demoDone: false, chatReplies: 0,
+  maxPrefill: 0, maxPrefillBesideDecodes: 0, prefillTokens: 0, demoDone: false, chatReplies: 0, predicted: 0,
 };
 let apiKey = sessionStorage.getItem("stallfree-key") || "";
 const $ = (id) => document.getElementById(id);
@@ -57,8 +57,10 @@ const iterChart = makeChart($("iter-chart"), 220, [
   { label: "decode tokens", stroke: "#4cc9f0", fill: "#4cc9f0cc", paths: bars, points: { show: false } },
   { label: "token budget", stroke: "#7bd389", dash: [6, 4], points: { show: false } },
   { label: "iteration ms", stroke: "#e0e0e0", scale: "ms", width: 1.5, points: { show: false } },
+  { label: "predicted ms", stroke: "#c77dff", scale: "ms", width: 1, dash: [3, 3], points: { show: false } },
+  { label: "TBT target ms", stroke: "#ff5d5d", scale: "ms", width: 1, dash: [8, 4], points: { show: false } },
 ], { axes: axes("tokens", "ms"), scales: { x: { time: false }, ms: {} } });
-const iterData = [[], [], [], [], []];
+const iterData = [[], [], [], [], [], [], []];
 
 const ttftChart = makeChart($("ttft-chart"), 190, [
   { label: "request" },
@@ -87,15 +89,19 @@ function onFrame(f) {
     dash.gapPoints++;
     if (stalled) dash.stalledPoints++;
   }
-  for (const [t, dur, decode, prefill, budget] of f.iterations) {
+  for (const [t, dur, decode, prefill, budget, predicted, tbt] of f.iterations) {
     iterData[0].push(t / 1000);
     iterData[1].push(decode + prefill);  // drawn behind the decode bar: its visible top part is prefill
     iterData[2].push(decode);
     iterData[3].push(budget);
     iterData[4].push(dur);
+    iterData[5].push(predicted || null);
+    iterData[6].push(tbt || null);
+    if (predicted) dash.predicted++;
     dash.iterations++;
     dash.prefillTokens += prefill;
     dash.maxPrefill = Math.max(dash.maxPrefill, prefill);
+    if (decode) dash.maxPrefillBesideDecodes = Math.max(dash.maxPrefillBesideDecodes, prefill);
   }
   for (const [, queue, prefill] of f.ttft) {
     ttftData[0].push(ttftCount++);
@@ -115,7 +121,8 @@ function onFrame(f) {
   $("max").textContent = st.count ? `${st.max.toFixed(0)} ms` : "–";
   $("counts").textContent = `${s.running} / ${s.waiting} / ${s.partial_prefills}`;
   $("kv").textContent = `${s.kv_used} / ${s.kv_cached} / ${s.kv_free}`;
-  $("mode").textContent = `${s.chunking} · ${s.token_budget}`;
+  $("mode").textContent = `${s.chunking} · ${s.token_budget}` + (s.tbt_slo_ms ? ` · ${s.tbt_slo_ms} ms` : "");
+  $("missed").textContent = `${s.target_missed}`;
   showReplicas(f.replicas);
 }
 
@@ -178,6 +185,7 @@ async function loadConfig() {
   const c = view.scheduler;
   $("chunking").value = c.chunking;
   $("budget").value = c.token_budget;
+  $("tbt").value = c.tbt_slo_ms;
   $("policy").value = c.policy;
 }
 
@@ -190,14 +198,15 @@ async function applyConfig(changes) {
   if (!r.ok) { status(body.error.message); return; }
   const c = body.scheduler;
   if ("token_budget" in changes) $("budget").value = c.token_budget;  // shows a clamp
-  status(`applied: ${c.chunking}, budget ${c.token_budget}, ${c.policy}` +
+  status(`applied: ${c.chunking}, budget ${c.token_budget}, TBT target ${c.tbt_slo_ms || "off"}, ${c.policy}` +
          (body.warnings.length ? ` (${body.warnings.join("; ")})` : ""));
 }
 
 $("chunking").onchange = () => applyConfig({ chunking: $("chunking").value });
 $("policy").onchange = () => applyConfig({ policy: $("policy").value });
 $("apply").onclick = () => applyConfig({ chunking: $("chunking").value, policy: $("policy").value,
-                                         token_budget: Number($("budget").value) });
+                                         token_budget: Number($("budget").value),
+                                         tbt_slo_ms: Number($("tbt").value) });
 
 // ---------------------------------------------------------------- streams
 let api = null;

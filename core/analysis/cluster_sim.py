@@ -64,7 +64,7 @@ class Cluster:
         for name in names:
             clock = VirtualClock()
             runner = SimRunner(cost, cache.block_size, clock, VOCAB, read_context=False)
-            workers.append(Worker(name, clock, Engine(scheduler, cache, runner, clock, chunk_limit=cost.level_chunk)))
+            workers.append(Worker(name, clock, Engine(scheduler, cache, runner, clock, cost)))
         return cls(workers)
 
     def at(self, t_ns: int, payload: Any) -> None:

@@ -17,8 +17,10 @@ weight-read rate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from core.sched.cost import Chunks
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,43 +95,25 @@ class CostModel:
         compute = attn_flops / (hw.attention_flops or hw.flops)
         return max(compute, kv_tokens_read * self.model.kv_bytes_per_token / hw.mem_bw)
 
-    def iteration_s(self, decode_contexts: Iterable[int], chunks: Iterable[tuple[int, int]]) -> float:
+    def iteration_s(self, decode_contexts: Sequence[int], chunks: Chunks) -> float:
         """Time of one iteration.
 
         decode_contexts: tokens already cached for each decoding request.
         chunks: (prefix length, chunk tokens) for each prefill chunk.
         """
-        decode_contexts = list(decode_contexts)
-        chunks = list(chunks)
-        tokens = len(decode_contexts) + sum(n for _, n in chunks)
+        decodes, context = len(decode_contexts), sum(decode_contexts)
+        tokens = decodes + sum(n for _, n in chunks)
         if tokens == 0:
             return 0.0
         attn = 0.0
         kv_read = 0
         if self.attention:
-            attn = sum(self.model.attention_flops(ctx, 1) for ctx in decode_contexts)
+            # one query after ctx cached tokens attends to ctx + 1: summed in closed form
+            attn = self.model.attention_flops(0, 1) * (context + decodes)
             attn += sum(self.model.attention_flops(p, n) for p, n in chunks)
         if self.kv_reads:
-            kv_read = sum(decode_contexts) + sum(p for p, _ in chunks)
+            kv_read = context + sum(p for p, _ in chunks)
         return self.linear_s(tokens) + self.attention_s(attn, kv_read) + self.hardware.overhead_s
 
-    def prefill_flops(self, prefix: int, n: int) -> float:
-        attn = self.model.attention_flops(prefix, n) if self.attention else 0.0
-        return 2.0 * self.model.params * n + attn
-
-    def level_chunk(self, prefix: int, token_budget: int) -> int:
-        """Largest chunk after `prefix` cached tokens costing no more than a
-        budget-sized chunk from an empty cache (dynamic chunking).
-
-        Without the attention term every chunk costs the same and this is
-        just the budget.
-        """
-        target = self.prefill_flops(0, token_budget)
-        lo, hi = 1, token_budget
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.prefill_flops(prefix, mid) <= target:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+    def observe(self, decode_contexts: Sequence[int], chunks: Chunks, measured_s: float) -> None:
+        """A fixed model learns nothing (``OnlineCost`` corrects one from measurements)."""

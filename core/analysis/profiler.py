@@ -274,16 +274,29 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def saved_or_quick_profile(runner: ModelRunner, num_blocks: int, threads: int) -> tuple[Profile, str]:
-    """The saved profile for this model, dtype and thread count, or a quick one
-    measured now (and saved). Returns the profile and where it came from."""
-    dtype = str(runner.dtype).removeprefix("torch.")
-    path = default_profile_path(runner.config.name, dtype, threads)
+def runner_profile_path(runner: ModelRunner) -> Path:
+    """Where this runner's profile is saved by default (model, dtype, threads)."""
+    return default_profile_path(runner.config.name, str(runner.dtype).removeprefix("torch."), runner.threads)
+
+
+def saved_profile(runner: ModelRunner) -> Profile | None:
+    """The profile saved for this runner, if there is a readable one."""
+    path = runner_profile_path(runner)
     if path.exists():
         try:
-            return Profile.load(path), str(path)
+            return Profile.load(path)
         except (ValueError, KeyError, TypeError):
-            pass  # unreadable or from an older format: measure again
-    prof = profile_runner(runner, num_blocks, threads, quick=True)
+            pass  # unreadable or from an older format
+    return None
+
+
+def saved_or_quick_profile(runner: ModelRunner) -> tuple[Profile, str]:
+    """The saved profile for this model, dtype and thread count, or a quick one
+    measured now (and saved). Returns the profile and where it came from."""
+    saved = saved_profile(runner)
+    if saved is not None:
+        return saved, str(runner_profile_path(runner))
+    prof = profile_runner(runner, runner.num_blocks, runner.threads, quick=True)
+    path = runner_profile_path(runner)
     prof.save(path)
     return prof, f"quick profile at startup, saved to {path}"

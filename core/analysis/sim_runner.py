@@ -62,10 +62,7 @@ class SimRunner:
         self._slots: dict[int, list[int]] = {}
 
     def predict_s(self, batch: Batch) -> float:
-        return self.cost.iteration_s(
-            (item.start for item in batch.items if not item.is_prefill),
-            ((item.start, item.num_tokens) for item in batch.items if item.is_prefill),
-        )
+        return self.cost.iteration_s(*batch.shape())
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> object:
         """The fake cache's slots of those blocks (token ids), as a list per block."""

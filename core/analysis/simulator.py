@@ -137,7 +137,7 @@ class SimResult:
 def simulate(arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: CacheConfig, cost: CostModel) -> SimResult:
     clock = VirtualClock()
     runner = SimRunner(cost, cache.block_size, clock, VOCAB)
-    engine = Engine(scheduler, cache, runner, clock, chunk_limit=cost.level_chunk)
+    engine = Engine(scheduler, cache, runner, clock, cost)
     pending = sorted(arrivals, key=lambda a: a.at_s)
     requests: dict[str, Request] = {}
     iterations = []

@@ -62,6 +62,7 @@ class ModelRunner:
         self.config = c
         self.device = device
         self.dtype = dtype
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.threads = torch.get_num_threads()
         self.tokenizer = loaded.tokenizer

@@ -36,6 +36,10 @@ class Batch:
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks, before the items run
     imports: list[Request] = field(default_factory=list)  # their kv_payload into their blocks, before the items run
+    target_s: float = 0.0  # the TBT target this iteration was sized to (0: none applied)
+    # why its predicted time may exceed that target: "decodes" (they alone fill it)
+    # or "floor" (prefill was kept moving at the floor); None: sized within it
+    over_target: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +52,12 @@ class Batch:
     @property
     def prefill_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items if item.is_prefill)
+
+    def shape(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """What its time depends on: each decode's context, each chunk's (prefix, tokens)."""
+        decodes = [item.start for item in self.items if not item.is_prefill]
+        chunks = [(item.start, item.num_tokens) for item in self.items if item.is_prefill]
+        return decodes, chunks
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,6 +108,11 @@ class IterationRecord:
     kv_free_blocks: int
     kv_cached_blocks: int
     preemptions: int
+    tbt_slo_ms: float = 0.0  # the TBT target setting (it sized this iteration if it had decodes)
+    predicted_ns: int = 0  # the cost model's prediction of its duration (0: no cost model)
+    # it had decodes and ran over the TBT target, and why: "decodes", "floor" (see
+    # Batch.over_target) or "prediction" (sized within the target, measured over it)
+    target_missed: str | None = None
 
     @property
     def duration_ns(self) -> int:

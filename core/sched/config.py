@@ -43,6 +43,7 @@ LIVE_SETTINGS = (
     "dynamic_chunking",
     "max_defer_s",
     "long_prefill_tokens",
+    "tbt_slo_ms",
 )
 
 
@@ -58,6 +59,7 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
     "dynamic_chunking": (bool, None, None),
     "decode_reserve_tokens": (int, 0, 1 << 20),
     "long_prefill_tokens": (int, 0, 1 << 24),
+    "tbt_slo_ms": (float, 0.0, 600_000.0),
 }
 
 
@@ -72,6 +74,12 @@ class SchedulerConfig:
                        iteration of their own while decodes wait.
       ``decode_first`` FasterTransformer-style: new prompts wait until no
                        request is decoding.
+
+    tbt_slo_ms: a time target for the gap between a decode's tokens. While an
+    iteration holds decodes, its prefill tokens are the most whose predicted
+    time (the cost model: the decodes with their contexts, each chunk with its
+    prefix) stays within it, down to ``prefill_floor`` tokens; with no decode
+    it takes the whole ``token_budget``. 0: off (tokens only).
     """
 
     token_budget: int = 512
@@ -90,11 +98,20 @@ class SchedulerConfig:
     # prompts' chunks go first, a quarter of the leftover budget stays with the
     # long ones. 0: the token budget; at least the context length: off.
     long_prefill_tokens: int = 0
+    tbt_slo_ms: float = 0.0
+
+    @property
+    def prefill_floor(self) -> int:
+        """Prefill tokens an iteration keeps for waiting prompts however many
+        decodes run: the budget's headroom over ``max_num_seqs``, and the least
+        a TBT target leaves when the decodes alone fill it (the article's
+        warning: a budget of 256 with 256 decoders starves new prompts)."""
+        return max(16, self.max_num_seqs // 4)
 
     @property
     def min_token_budget(self) -> int:
         """Every decode gets a token and prefill still gets a real share."""
-        return self.max_num_seqs + max(16, self.max_num_seqs // 4)
+        return self.max_num_seqs + self.prefill_floor
 
     def validated(self) -> tuple[SchedulerConfig, list[str]]:
         """Return a checked copy (budget clamped up if too small) and warnings.

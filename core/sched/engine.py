@@ -17,9 +17,10 @@ import structlog
 from core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.cost import IterationCost
 from core.sched.request import FinishReason, Request, SamplingParams
 from core.sched.runner import Runner
-from core.sched.scheduler import ChunkLimit, ScheduleFailed, Scheduler
+from core.sched.scheduler import ScheduleFailed, Scheduler
 
 log = structlog.get_logger(__name__)
 
@@ -101,9 +102,12 @@ class Engine:
         cache_config: CacheConfig,
         runner: Runner,
         clock: Callable[[], int] = time.perf_counter_ns,
-        chunk_limit: ChunkLimit | None = None,
+        cost: IterationCost | None = None,
     ) -> None:
+        """``cost`` predicts each iteration's time (recorded beside the measured
+        one, which it then observes); the TBT target and dynamic chunking need it."""
         config, self.warnings = scheduler_config.validated()
+        _check_cost(config, cost)
         if config.max_model_len > cache_config.num_tokens:
             # one sequence of the full context must fit, or a lone request could never grow
             self.warnings.append(
@@ -112,7 +116,8 @@ class Engine:
             )
             config = dataclasses.replace(config, max_model_len=cache_config.num_tokens)
         self.kv = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, chunk_limit)
+        self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, cost)
+        self.cost = cost
         self.runner = runner
         self.clock = clock
         self._unreported: list[Request] = []  # finished outside an iteration (aborts, failures)
@@ -143,6 +148,7 @@ class Engine:
     def reconfigure(self, changes: dict[str, Any]) -> list[str]:
         """Apply live settings between iterations; returns warnings (clamps)."""
         config, warnings = self.config.with_changes(changes)
+        _check_cost(config, self.cost)
         self.scheduler.config = config
         return warnings
 
@@ -163,6 +169,8 @@ class Engine:
             batch = self.scheduler.schedule(start_ns)
             if not batch.items:
                 return self._collect(None, [])
+            shape = batch.shape()
+            predicted_s = self.cost.iteration_s(*shape) if self.cost is not None else 0.0
             sampled = self.runner.execute(batch)
             self._export(batch)
             end_ns = self.clock()
@@ -171,7 +179,9 @@ class Engine:
             self._failed(exc.batch if isinstance(exc, ScheduleFailed) else batch, exc)
             return self._collect(None, [])
         self.failed_in_a_row = 0
-        return self._collect(self._record(batch, start_ns, end_ns), emitted)
+        if self.cost is not None:
+            self.cost.observe(*shape, (end_ns - start_ns) / 1e9)
+        return self._collect(self._record(batch, start_ns, end_ns, predicted_s), emitted)
 
     def _export(self, batch: Batch) -> None:
         """The KV of prompts just computed whose requests asked for it (kv_export),
@@ -241,8 +251,10 @@ class Engine:
             kv.num_cached_blocks,
         )
 
-    def _record(self, batch: Batch, start_ns: int, end_ns: int) -> IterationRecord:
+    def _record(self, batch: Batch, start_ns: int, end_ns: int, predicted_s: float) -> IterationRecord:
         s = self.scheduler
+        target_ns = int(batch.target_s * 1e9)
+        missed = (batch.over_target or "prediction") if target_ns and end_ns - start_ns > target_ns else None
         return IterationRecord(
             iteration=batch.iteration,
             start_ns=start_ns,
@@ -260,4 +272,12 @@ class Engine:
             kv_free_blocks=self.kv.num_free_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks,
             preemptions=len(batch.preempted),
+            tbt_slo_ms=s.config.tbt_slo_ms,
+            predicted_ns=int(predicted_s * 1e9),
+            target_missed=missed,
         )
+
+
+def _check_cost(config: SchedulerConfig, cost: IterationCost | None) -> None:
+    if config.tbt_slo_ms and cost is None:
+        raise ValueError("tbt_slo_ms needs a cost model (this engine was built without one)")

@@ -15,6 +15,14 @@ In ``stall_free`` mode passes 2 and 3 run for short prompts first, then for long
 long one is admitted in the next iteration instead of after the long one's
 whole prefill, while a quarter of the leftover budget stays with the long one.
 
+With a TBT target (``tbt_slo_ms``) and decodes in the batch, every chunk is
+also cut to the most tokens whose predicted iteration time (the cost model,
+over the decodes and the chunks placed so far) stays within the target;
+short prompts may use three quarters of the time the decodes leave while a
+long one waits. When the decodes alone fill the target, prefill still moves
+at ``prefill_floor`` tokens (at least a quarter of them to the long prompt),
+and the batch says why it may run over (``Batch.over_target``).
+
 Pure Python: it decides, the runner computes.
 """
 
@@ -22,16 +30,26 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from core import faults
 from core.sched.batch import Batch, Item, NewToken, Sampled
 from core.sched.block_manager import BlockManager
 from core.sched.config import Chunking, SchedulerConfig
+from core.sched.cost import IterationCost
 from core.sched.policy import order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
 
-# (prefix length, token budget) -> largest chunk keeping the iteration level
-ChunkLimit = Callable[[int, int], int]
+SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
+
+
+@dataclass(slots=True)
+class _Target:
+    """One iteration's TBT target while its batch holds decodes."""
+
+    target_s: float  # the TBT target
+    limit_s: float  # what the current pass may fill the predicted time up to
+    owed_until: int  # the floor: prefill tokens the batch keeps, time or not
 
 
 class ScheduleFailed(RuntimeError):
@@ -48,12 +66,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv: BlockManager,
         eos_token_ids: frozenset[int] = frozenset(),
-        chunk_limit: ChunkLimit | None = None,
+        cost: IterationCost | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = eos_token_ids
-        self.chunk_limit = chunk_limit
+        self.cost = cost  # predicts iteration times: the TBT target and dynamic chunking need it
+        self._target: _Target | None = None  # this iteration's, while scheduling
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
@@ -137,23 +156,35 @@ class Scheduler:
                 self._decode(batch, budget)
             return batch
         left = self._decode(batch, budget)
-        if mode == Chunking.STALL_FREE:
-            self._prefill(batch, left, now_ns)
-        else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
-            left = self._prefill_running(batch, left, whole=False)
-            if not any(r.status == RequestStatus.DECODING for r in self.running):
-                self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
+        self._target = None
+        if self.config.tbt_slo_ms and self.cost is not None and batch.items:
+            self._target = _Target(self.config.tbt_slo_ms / 1e3, 0.0, 0)
+            batch.target_s = self._target.target_s
+            if self.cost.iteration_s(*batch.shape()) > batch.target_s:
+                batch.over_target = "decodes"
+        try:
+            if mode == Chunking.STALL_FREE:
+                self._prefill(batch, left, now_ns)
+            else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
+                self._time_share(batch, 1.0, self.config.prefill_floor)
+                left = self._prefill_running(batch, left, whole=False)
+                if not any(r.status == RequestStatus.DECODING for r in self.running):
+                    self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
+        finally:
+            self._target = None
         return batch
 
     def _prefill(self, batch: Batch, left: int, now_ns: int) -> None:
         """Passes 2 and 3, short prompts first: partial then new short prefills
         take the leftover budget before long ones, so a short prompt never
         waits for a long prompt's whole prefill; while a long prompt is
-        prefilling (or waiting), a quarter of the leftover is kept for it, so
-        it progresses every iteration. While a request waits past
-        ``max_defer_s``, admission follows policy order (the starvation
-        ceiling puts it first) after all partial prefills."""
+        prefilling (or waiting), a quarter of the leftover (budget, target
+        time and floor alike) is kept for it, so it progresses every
+        iteration. While a request waits past ``max_defer_s``, admission
+        follows policy order (the starvation ceiling puts it first) after all
+        partial prefills."""
         limit = self.config.long_prefill_tokens or self.config.token_budget
+        floor = self.config.prefill_floor
 
         def long(r: Request) -> bool:
             return r.num_tokens - r.num_computed_tokens > limit
@@ -162,16 +193,32 @@ class Scheduler:
             return not long(r)
 
         candidates = [r for r in self.running if r.status == RequestStatus.PREFILLING] + self.waiting
-        floor = min(left, max(1, left // 4)) if any(map(long, candidates)) else 0
-        short_left = self._prefill_running(batch, left - floor, whole=False, which=short)
+        waits_long = any(map(long, candidates))
+        kept = min(left, max(1, left // 4)) if waits_long else 0
+        long_floor = max(1, floor // 4) if waits_long else 0
+        self._time_share(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor)
+        short_left = self._prefill_running(batch, left - kept, whole=False, which=short)
         if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
-            left = self._prefill_running(batch, floor + short_left, whole=False, which=long)
+            self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
+            left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
             self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
             return
         ordered = self._ordered(now_ns)
         short_left = self._admit(batch, short_left, whole=False, ordered=[r for r in ordered if short(r)])
-        left = self._prefill_running(batch, floor + short_left, whole=False, which=long)
+        self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
+        left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
         self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
+
+    def _time_share(self, batch: Batch, share: float, floor: int) -> None:
+        """Under a TBT target, the next pass may fill ``share`` of the time the
+        batch so far leaves under the target, and is owed ``floor`` prefill
+        tokens whatever the time (never more than the budget leaves)."""
+        target = self._target
+        if target is None or self.cost is None:
+            return
+        so_far = self.cost.iteration_s(*batch.shape())
+        target.limit_s = so_far + share * (target.target_s - so_far)
+        target.owed_until = batch.prefill_tokens + max(0, floor)
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one token for every running decode, highest priority first;
@@ -205,7 +252,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.PREFILLING or not which(req):
                 continue
-            n = self._chunk(req, req.num_pending_tokens, left, whole)
+            n = self._chunk(batch, req, req.num_pending_tokens, left, whole)
             if n == 0:
                 continue
             if not self.kv.allocate(req, n):  # admission reserved the whole prompt
@@ -240,7 +287,7 @@ class Scheduler:
                 continue
             head = self._prompt_source(req)
             pending = 1 if head is not None else req.num_tokens - self.kv.cached_prefix_tokens(req)
-            n = self._chunk(req, pending, left, whole)
+            n = self._chunk(batch, req, pending, left, whole)
             if n == 0:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
@@ -293,13 +340,28 @@ class Scheduler:
         head = self.requests.get(request_id) if request_id is not None else None
         return head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
 
-    def _chunk(self, req: Request, pending: int, left: int, whole: bool) -> int:
+    def _chunk(self, batch: Batch, req: Request, pending: int, left: int, whole: bool) -> int:
+        """How many of req's ``pending`` tokens run now: what the budget leaves,
+        cut to keep the iteration level (dynamic chunking) and within the TBT target."""
         if whole:
             return pending if pending <= left else 0
         n = min(pending, left)
-        if self.config.dynamic_chunking and self.chunk_limit is not None:
-            prefix = req.num_tokens - pending
-            n = min(n, max(1, self.chunk_limit(prefix, self.config.token_budget)))
+        prefix = req.num_tokens - pending
+        cost = self.cost
+        if cost is None or n == 0:
+            return n
+        if self.config.dynamic_chunking:
+            level_s = cost.iteration_s([], [(0, self.config.token_budget)])
+            n = max(1, _largest(n, lambda m: cost.iteration_s([], [(prefix, m)]) <= level_s))
+        target = self._target
+        if target is not None:
+            decodes, chunks = batch.shape()
+            fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= target.limit_s)
+            owed = min(n, target.owed_until - batch.prefill_tokens)
+            if fit < owed:  # the floor keeps prefill moving past the target
+                batch.over_target = batch.over_target or "floor"
+                return owed
+            n = fit
         return n
 
     def _preempt(self, req: Request, batch: Batch) -> None:
@@ -371,3 +433,17 @@ class Scheduler:
             self.finish(req, FinishReason.STOP, now_ns)
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             self.finish(req, FinishReason.LENGTH, now_ns)
+
+
+def _largest(n: int, fits: Callable[[int], bool]) -> int:
+    """The largest m in [0, n] with fits(m), for fits monotone (true, then false); fits(0) is taken as true."""
+    if fits(n):
+        return n
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
