@@ -3,7 +3,15 @@
 A ``Job`` is one request to send at ``at_s``; a target (this server over
 WebSocket, or any OpenAI-compatible server over HTTP/SSE, so vLLM and SGLang
 are measured the same way) runs it and records the arrival time of every
-token event at the client.
+token event at the client, and what the server reports of it: its prompt
+length, prefix-cache hit and (this server's WebSocket) its queue wait.
+Servers that report queue waits only in Prometheus histograms (vLLM) are
+read before and after a run (``QueueWaitProbe``).
+
+Trace prompts have exactly the traced token lengths: they are made of words
+that are one token each (``WordPrompts``), and runs the trace marks as
+shared (Mooncake's equal hash ids) are equal words, so a prefix cache sees
+the trace's sharing.
 """
 
 from __future__ import annotations
@@ -12,17 +20,18 @@ import asyncio
 import itertools
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from core.analysis.simulator import load_trace
+from core.analysis.traces import TraceRequest, prompt_ids
 from core.model.tokenizer import Tokenizer
 from core.sched.timings import percentile
 
@@ -77,6 +86,7 @@ class Job:
     prompt: str
     max_tokens: int
     group: str = "request"  # e.g. decoder / long, for the interference scenario
+    prompt_tokens: int | None = None  # its exact length, where the workload fixes it (traces)
 
 
 @dataclass(slots=True)
@@ -86,6 +96,7 @@ class Result:
     token_s: list[float] = field(default_factory=list)  # arrival of each token event, seconds since start
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, where it says
     server_timings: dict[str, float] | None = None  # this server's done-frame split
     error: str | None = None
 
@@ -146,23 +157,37 @@ def arrivals(kind: str, n: int, rate: float, rng: random.Random) -> list[float]:
     raise ValueError(f"arrival pattern {kind!r}: poisson or burst")
 
 
-def trace_jobs(path: Path, make: PromptMaker) -> list[Job]:
-    """A JSONL trace (the simulator's format): requests naming the same ``prefix``
-    share their first ``prefix_tokens`` tokens of text, so prefix caching replays too."""
-    load_trace(path)  # validates every line, errors name the line
-    jobs: list[Job] = []
-    prefixes: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = orjson.loads(line)
-        prompt_tokens, shared = int(row["prompt_tokens"]), int(row.get("prefix_tokens", 0))
-        head = ""
-        if row.get("prefix") and shared:
-            head = prefixes.setdefault(row["prefix"], make(min(shared, prompt_tokens)))
-        rest = make(max(1, prompt_tokens - min(shared, prompt_tokens))) if prompt_tokens > shared else ""
-        jobs.append(Job(float(row["t"]), head + rest, int(row["output_tokens"])))
-    return jobs
+class WordPrompts:
+    """Trace prompts of exact token lengths for a byte-level BPE tokenizer.
+
+    Its words that are one token with their leading space (`` river``) stay
+    one token beside each other (the pre-tokenizer splits before spaces), so
+    a prompt of n such words is n tokens. A trace request's shared runs are
+    drawn from their keys: equal keys, equal words, equal tokens. The seed
+    and a per-instance nonce fix the words: a second run shares nothing with
+    an earlier one (its prefix cache starts cold), as with ``PromptMaker``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
+        word = re.compile(rb" [a-z]{3,10}")
+        self.words = [
+            b.decode()
+            for i, b in enumerate(tokenizer.token_bytes)
+            if word.fullmatch(b) and tokenizer.encode(b.decode()) == [i]
+        ]
+        if len(self.words) < 1000:
+            raise ValueError("this tokenizer has too few one-token words for exact-length prompts")
+        self.seed = f"{seed}/{os.urandom(4).hex()}"
+        self._runs: dict[str, list[int]] = {}
+
+    def __call__(self, r: TraceRequest) -> str:
+        ids = prompt_ids(r, self.seed, len(self.words), low=0, blocks=self._runs)
+        return "".join(self.words[i] for i in ids)
+
+
+def trace_jobs(requests: list[TraceRequest], prompts: WordPrompts) -> list[Job]:
+    """A replayed trace window (``core.analysis.traces.replay``) as jobs of exact lengths."""
+    return [Job(r.at_s, prompts(r), r.output_tokens, prompt_tokens=r.prompt_tokens) for r in requests]
 
 
 def interference_jobs(
@@ -208,6 +233,7 @@ class StallfreeTarget:
                         res.prompt_tokens = f["prompt_tokens"]
                     elif f["type"] == "done":
                         res.completion_tokens = f["usage"]["completion_tokens"]
+                        res.cached_tokens = f["usage"].get("cached_tokens")
                         res.server_timings = f["timings"]
                         break
                     elif f["type"] == "error":
@@ -265,8 +291,10 @@ class OpenAITarget:
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         res.token_s.append(now)
                     if chunk.get("usage"):
-                        res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                        res.completion_tokens = chunk["usage"]["completion_tokens"]
+                        usage = chunk["usage"]
+                        res.prompt_tokens = usage["prompt_tokens"]
+                        res.completion_tokens = usage["completion_tokens"]
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         except httpx.HTTPError as exc:
             res.error = f"{type(exc).__name__}: {exc}"
         return res
@@ -289,8 +317,59 @@ async def run_jobs(target: Target, jobs: list[Job], progress: Callable[[int, int
     return await asyncio.gather(*(one(j) for j in jobs))
 
 
-def summarize(results: list[Result], group: str | None = None) -> dict[str, Any]:
-    """TTFT and every inter-token gap, percentiles and max; throughput over the run."""
+class QueueWaitProbe:
+    """A server's Prometheus histogram of queue waits (arrival to first
+    scheduled), read before and after a run: the run's median from the
+    difference, interpolated within its bucket. For servers that report queue
+    waits nowhere else (vLLM's ``vllm:request_queue_time_seconds``)."""
+
+    NAMES = ("vllm:request_queue_time_seconds", "stallfree_queue_wait_seconds")
+
+    def __init__(self, metrics_url: str) -> None:
+        self.url = metrics_url
+        self._before = self._buckets()
+
+    def _buckets(self) -> dict[float, float]:
+        try:
+            text = httpx.get(self.url, timeout=10).text
+        except httpx.HTTPError:
+            return {}
+        counts: dict[float, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name not in self.NAMES:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    counts[le] = counts.get(le, 0.0) + sample.value
+        return counts
+
+    def median_ms(self) -> float | None:
+        """The median queue wait of the requests since the probe was made, or None if unreported."""
+        after = self._buckets()
+        diff = sorted((le, after[le] - self._before.get(le, 0.0)) for le in after)
+        total = diff[-1][1] if diff else 0.0
+        if total <= 0:
+            return None
+        low, below = 0.0, 0.0
+        for le, count in diff:
+            if count >= total / 2:
+                if le == float("inf"):
+                    return low * 1e3  # beyond the last finite bucket: its bound, a lower limit
+                share = (total / 2 - below) / (count - below) if count > below else 1.0
+                return (low + (le - low) * share) * 1e3
+            low, below = le, count
+        return None
+
+
+def summarize(
+    results: list[Result], group: str | None = None, tbt_slo_ms: float | None = None, queue_wait_ms: float | None = None
+) -> dict[str, Any]:
+    """TTFT, scheduling delay and every inter-token gap, percentiles and max;
+    throughput over the run; prefix-cache hits where the server says; with a
+    TBT SLO, goodput: the requests per second whose every gap met it.
+    ``queue_wait_ms``: the run's median queue wait read elsewhere (a probe),
+    for servers whose responses do not carry it."""
     rs = [r for r in results if group is None or r.job.group == group]
     ok = [r for r in rs if r.error is None and r.token_s]
     ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
@@ -308,6 +387,7 @@ def summarize(results: list[Result], group: str | None = None) -> dict[str, Any]
         "itl_p90_ms": percentile(gaps, 90),
         "itl_p99_ms": percentile(gaps, 99),
         "max_gap_ms": max(gaps, default=0.0),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens": tokens,
         "throughput_tokens_per_s": tokens / (end - start) if end > start else 0.0,
     }
@@ -315,6 +395,21 @@ def summarize(results: list[Result], group: str | None = None) -> dict[str, Any]
     if split:
         for k in ("queue_wait_ms", "prefill_ms", "decode_ms"):
             out[f"server_{k}_p50"] = percentile([t[k] for t in split], 50)
+        out["queue_wait_p50_ms"] = out["server_queue_wait_ms_p50"]
+    elif queue_wait_ms is not None:
+        out["queue_wait_p50_ms"] = queue_wait_ms
+    reported = [r for r in ok if r.cached_tokens is not None]
+    if reported:
+        prompt = sum(r.prompt_tokens for r in reported)
+        out["prefix_hit_rate"] = sum(r.cached_tokens or 0 for r in reported) / prompt if prompt else 0.0
+    exact = [r for r in ok if r.job.prompt_tokens is not None]
+    if exact:
+        out["prompt_length_mismatches"] = sum(r.prompt_tokens != r.job.prompt_tokens for r in exact)
+    if tbt_slo_ms is not None:
+        good = [r for r in ok if max((g * 1e3 for g in r.gaps_s), default=0.0) <= tbt_slo_ms]
+        out["tbt_slo_ms"] = tbt_slo_ms
+        out["good_requests"] = len(good)
+        out["goodput_req_per_s"] = len(good) / (end - start) if end > start else 0.0
     first_error = next((r.error for r in rs if r.error), None)
     if first_error:
         out["first_error"] = first_error

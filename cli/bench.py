@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.options import emit
+from cli.options import add_replay_args, emit
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -19,22 +19,35 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="smollm2", help="model name sent to OpenAI-compatible servers")
     p.add_argument("--api-key")
-    p.add_argument("--workload", default="interference", choices=["interference", "poisson", "burst", "trace"])
+    p.add_argument(
+        "--workload",
+        choices=["interference", "poisson", "burst", "trace"],
+        help="default: trace with --trace, else interference",
+    )
     p.add_argument("--requests", type=int, default=32, help="poisson/burst: number of requests")
-    p.add_argument("--rate", type=float, default=2.0, help="poisson: requests per second")
     p.add_argument("--prompt", default="fixed:256", help="fixed:N | uniform:A-B | longtail")
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--trace", type=Path, help="trace: JSONL with t, prompt_tokens, output_tokens[, prefix, ...]")
+    p.add_argument(
+        "--trace", type=Path, help="replay a trace: Azure LLM 2023 .csv, Mooncake .jsonl, or stallfree's .jsonl"
+    )
+    add_replay_args(p)
     g = p.add_argument_group("interference: N streams decoding, then long prompts arriving")
     g.add_argument("--streams", type=int, default=8)
     g.add_argument("--long-prompts", type=int, default=1)
     g.add_argument("--long-tokens", type=int, default=2000)
     g.add_argument("--long-delay-s", type=float, default=2.0)
     g.add_argument("--decode-tokens", type=int, default=160, help="tokens each decoding stream generates")
-    p.add_argument("--sweep", help="reconfigure between runs (this server), e.g. token_budget=128,256,512")
-    p.add_argument("--tpot-slo-ms", type=float, default=100.0, help="sweeps mark the largest budget meeting it")
+    p.add_argument(
+        "--sweep", help="reconfigure between runs (this server), e.g. token_budget=128,256,512 or tbt_slo_ms=100,200"
+    )
+    p.add_argument(
+        "--tbt-slo-ms",
+        type=float,
+        default=100.0,
+        help="goodput counts requests whose every gap met it; sweeps mark the largest setting whose p99 did",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="directory for the JSON report and PNG plots")
+    p.add_argument("--out", type=Path, help="directory for the report (JSON, markdown) and PNG plots")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     return p
 
@@ -43,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     import httpx
     import orjson
 
-    from bench.load_report import format_report, plot_report, run_bench
+    from bench.load_report import format_report, markdown_report, plot_report, run_bench
 
     try:
         report = run_bench(args)
@@ -52,6 +65,7 @@ def run(args: argparse.Namespace) -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+        (args.out / "report.md").write_text(markdown_report(report))
         for path in plot_report(report, args.out):
             print(f"wrote {path}", file=sys.stderr)
     emit(args, report, format_report(report))

@@ -14,6 +14,7 @@ from core.sched.config import CHUNKING_MODES, POLICIES, SchedulerConfig
 
 if TYPE_CHECKING:
     from core.analysis.disagg_plan import Link
+    from core.analysis.traces import Replay
     from core.build import ModelSettings
 
 
@@ -51,6 +52,37 @@ def int_list(text: str) -> tuple[int, ...]:
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError("values must be >= 1")
     return values
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """How ``--trace`` is replayed (the trace flag itself is the command's)."""
+    g = p.add_argument_group(
+        "trace replay (--trace: Azure LLM 2023 .csv, Mooncake .jsonl with hash_ids, or stallfree's .jsonl)"
+    )
+    g.add_argument("--window", type=window, default=(0, None), metavar="START:COUNT", help="rows to replay")
+    g.add_argument("--rate", type=float, help="mean arrival rate to replay them at, requests/s (rescales every gap)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="or multiply every inter-arrival gap (default 1)")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (default 1)")
+    g.add_argument("--max-context", type=int, help="cap prompt + output (output to half of it, prompt to the rest)")
+    return g
+
+
+def window(text: str) -> tuple[int, int | None]:
+    """``START:COUNT`` (or ``START:`` to the end)."""
+    start, _, count = text.partition(":")
+    try:
+        return int(start or 0), int(count) if count else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:COUNT, got {text!r}") from None
+
+
+def replay_of(args: argparse.Namespace, rate: float | None = None) -> Replay:
+    """The replay the flags describe (``rate``: instead of ``--rate``)."""
+    from core.analysis.traces import Replay
+
+    start, count = args.window
+    pace = rate if rate is not None else args.rate
+    return Replay(start, count, pace, args.time_scale, args.length_scale, args.max_context)
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:

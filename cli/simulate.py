@@ -13,35 +13,50 @@ from cli.options import (
     add_disaggregate_args,
     add_json_arg,
     add_kv_args,
+    add_replay_args,
     add_scheduler_args,
     cost_model,
     emit,
     kv_link,
+    replay_of,
     scheduler_config,
 )
 from core.analysis.simulator import SCENARIOS
 from core.cluster.router import ROUTERS
-from core.sched.config import CacheConfig
+from core.sched.config import CacheConfig, Chunking, SchedulerConfig
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     s: argparse.ArgumentParser = sub.add_parser("simulate", help=__doc__.split(": ", 1)[1].rstrip("."))
     src = s.add_mutually_exclusive_group()
     src.add_argument("--scenario", default="seed-figure3", choices=SCENARIOS, help="default %(default)s")
-    src.add_argument("--trace", type=Path, help="JSONL workload: t, prompt_tokens, output_tokens[, prefix, ...]")
+    src.add_argument(
+        "--trace", type=Path, help="a trace: Azure .csv, Mooncake .jsonl, or JSONL of t, prompt_tokens, output_tokens"
+    )
+    add_replay_args(s)
+    cap = s.add_argument_group("capacity (Sarathi-Serve's: the highest rate meeting a TBT SLO; needs --trace)")
+    cap.add_argument(
+        "--capacity",
+        metavar="SLO",
+        help="search the highest rate at which P99 TBT <= SLO and P50 scheduling delay <= 2 s, with a token budget, "
+        "a TBT target of the SLO, unchunked, and disaggregated with --disaggregate: strict or relaxed (5x or 25x "
+        "the decode-only iteration), or the SLO in ms",
+    )
+    cap.add_argument(
+        "--slo-batch", type=int, default=8, help="decodes in the decode-only iteration (default %(default)s)"
+    )
     add_scheduler_args(s)
     add_kv_args(s)
     add_cost_args(s)
     s.add_argument("--profile", type=Path, help="cost model from `stallfree profile` (this machine's real model)")
     s.add_argument("--iterations", action="store_true", help="also print every iteration")
     c = s.add_argument_group(
-        "replicas (--replicas N: N engines behind a router on the multi-turn chat workload; "
-        "the scenario and trace options do not apply)"
+        "replicas (--replicas N: N engines behind a router on the multi-turn chat workload, --rate "
+        "conversations started per second, default 2 per replica; the scenario and trace options do not apply)"
     )
     c.add_argument("--replicas", type=int, help="number of engine replicas")
     c.add_argument("--router", default="all", help=f"{', '.join(ROUTERS)}, a comma list, or all (default)")
     c.add_argument("--conversations", type=int, help="conversations in all (default 50 per replica)")
-    c.add_argument("--rate", type=float, help="conversations started per second (default 2 per replica)")
     c.add_argument("--turns", type=int, default=6, help="turns per conversation (default %(default)s)")
     c.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt (default %(default)s)")
     c.add_argument("--seed", type=int, default=0)
@@ -55,7 +70,7 @@ def run_disaggregated(args: argparse.Namespace) -> None:
     from core.analysis.profiler import Profile
     from core.analysis.simulator import load_trace, scenario
 
-    arrivals, defaults = (load_trace(args.trace), {}) if args.trace else scenario(args.scenario)
+    arrivals, defaults = (load_trace(args.trace, replay_of(args)), {}) if args.trace else scenario(args.scenario)
     config = scheduler_config(args, defaults)
     cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
     cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
@@ -103,9 +118,11 @@ def run(args: argparse.Namespace) -> None:
     from core.analysis.profiler import Profile
     from core.analysis.simulator import format_report, load_trace, report, scenario, simulate
 
+    if args.capacity is not None:
+        return run_capacity(args)
     defaults: dict[str, Any] = {}
     if args.trace:
-        arrivals = load_trace(args.trace)
+        arrivals = load_trace(args.trace, replay_of(args))
     else:
         arrivals, defaults = scenario(args.scenario)
     config = scheduler_config(args, defaults)
@@ -117,3 +134,94 @@ def run(args: argparse.Namespace) -> None:
     rep = report(result)
     rep["scenario"] = str(args.trace) if args.trace else args.scenario
     emit(args, rep, format_report(rep, show_iterations=args.iterations))
+
+
+def run_capacity(args: argparse.Namespace) -> None:
+    """Capacity under the SLO for each way of scheduling, on the trace's window."""
+    from core.analysis.capacity import RELAXED, SLO, STRICT, Trial, budget_for, search, trial_from
+    from core.analysis.disagg_sim import simulate_disaggregated
+    from core.analysis.profiler import Profile
+    from core.analysis.simulator import load_trace, report, simulate
+    from core.analysis.traces import read_trace, replay
+    from core.sched.timings import percentile
+
+    if args.trace is None:
+        raise ValueError("--capacity needs --trace")
+    requests = read_trace(args.trace)
+    window = replay(requests, replay_of(args))
+    config = scheduler_config(args, {})
+    cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
+    cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
+    context = int(percentile([r.prompt_tokens for r in window], 50))
+    decode_ms = cost.iteration_s([context] * args.slo_batch, []) * 1e3
+    multiples = {"strict": STRICT, "relaxed": RELAXED}
+    try:
+        slo_ms = decode_ms * multiples[args.capacity] if args.capacity in multiples else float(args.capacity)
+    except ValueError:
+        raise ValueError(f"--capacity: strict, relaxed or the SLO in ms, not {args.capacity!r}") from None
+    slo = SLO(slo_ms)
+    own_rate = (len(window) - 1) / window[-1].at_s if len(window) > 1 and window[-1].at_s > 0 else 1.0
+
+    def summary(rate: float, mode: SchedulerConfig, disaggregated: bool) -> dict[str, Any]:
+        arrivals = load_trace(args.trace, replay_of(args, rate))
+        if disaggregated:
+            p, d = args.disaggregate
+            return simulate_disaggregated(arrivals, p, d, kv_link(args), mode, cache, cost)["summary"]
+        return report(simulate(arrivals, mode, cache, cost))["summary"]
+
+    untargeted = dataclasses.replace(config, tbt_slo_ms=0.0)
+    fitted = budget_for(cost, slo_ms, args.slo_batch, context, config.max_model_len)
+    modes = [
+        (f"token budget {config.token_budget}", untargeted, False),
+        (f"token budget {fitted} (fits the SLO)", dataclasses.replace(untargeted, token_budget=fitted), False),
+        (f"TBT target, budget {config.token_budget}", dataclasses.replace(config, tbt_slo_ms=slo_ms), False),
+        ("unchunked", dataclasses.replace(untargeted, chunking=Chunking.NONE), False),
+    ]
+    if args.disaggregate is not None:
+        modes.append((f"disaggregated {args.disaggregate[0]}:{args.disaggregate[1]}", untargeted, True))
+    rows = []
+    for name, mode, disaggregated in modes:
+
+        def run(rate: float, mode: SchedulerConfig = mode, disaggregated: bool = disaggregated) -> Trial:
+            return trial_from(rate, summary(rate, mode, disaggregated))
+
+        found = search(run, slo, args.rate or own_rate)
+        best = found.at_capacity
+        rows.append(
+            {
+                "mode": name,
+                "capacity_req_per_s": found.rate,
+                "at_capacity": best.figures if best is not None else None,
+                "trials": [{"rate": t.rate, "meets": t.meets(slo), **t.figures} for t in found.trials],
+            }
+        )
+        print(f"{name}: {found.rate:.4g} req/s ({len(found.trials)} trials)", file=sys.stderr)
+    doc = {
+        "trace": str(args.trace),
+        "replay": replay_of(args).describe(),
+        "slo": slo.describe(),
+        "decode_iteration_ms": decode_ms,
+        "slo_basis": f"{args.slo_batch} decodes at context {context} (the window's median prompt)",
+        "trace_rate_req_per_s": own_rate,
+        "modes": rows,
+    }
+    emit(args, doc, format_capacity(doc))
+
+
+def format_capacity(doc: dict[str, Any]) -> str:
+    lines = [
+        f"capacity on {doc['trace']} ({doc['replay']}; the window's own rate {doc['trace_rate_req_per_s']:.3g} req/s)",
+        f"SLO: {doc['slo']} (decode-only iteration {doc['decode_iteration_ms']:.3g} ms: {doc['slo_basis']})",
+        "",
+        f"  {'mode':<36} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'TBT p50':>8} {'p99':>8} {'max gap':>8}"
+        f" {'sched p50':>9}  (ms, at capacity)",
+    ]
+    for row in doc["modes"]:
+        s = row["at_capacity"] or {}
+        figures = [s.get(k, float("nan")) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
+        figures += [s.get("max_gap_ms", float("nan")), s.get("queue_wait_p50_ms", float("nan"))]
+        lines.append(
+            f"  {row['mode']:<36} {row['capacity_req_per_s']:>8.4g} {figures[0]:>9.1f} {figures[1]:>8.1f}"
+            f" {figures[2]:>8.2f} {figures[3]:>8.2f} {figures[4]:>8.1f} {figures[5]:>9.1f}"
+        )
+    return "\n".join(lines)

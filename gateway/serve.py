@@ -113,6 +113,8 @@ def log_startup(client: EngineClient, **facts: object) -> None:
     log.info(
         "engine_started",
         token_budget=cfg.token_budget,
+        tbt_slo_ms=cfg.tbt_slo_ms,
+        prefill_floor=cfg.prefill_floor,
         chunking=cfg.chunking,
         policy=cfg.policy,
         max_num_seqs=cfg.max_num_seqs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_interference_sweep_over_websocket_with_plots(server, tmp_path):
         "0.3",
         "--sweep",
         "token_budget=96,384",
-        "--tpot-slo-ms",
+        "--tbt-slo-ms",
         "1000",
         "--out",
         str(tmp_path),
@@ -60,6 +61,46 @@ def test_interference_sweep_over_websocket_with_plots(server, tmp_path):
     assert report["runs"][1]["decoders"]["max_gap_ms"] > report["runs"][0]["decoders"]["max_gap_ms"]
     assert report["slo"]["best"] == {"token_budget": 384}
     assert {p.name for p in tmp_path.iterdir()} >= {"report.json", "itl-0.png", "itl-1.png", "frontier.png"}
+
+
+TRACES = Path(__file__).resolve().parent.parent / "bench" / "traces"
+
+
+@pytest.mark.parametrize("protocol", ["ws", "openai"])
+def test_trace_replay_of_exact_lengths_with_the_traces_sharing(server, tmp_path, protocol):
+    target = server.ws_url if protocol == "ws" else server.url + "/v1"
+    out = bench(
+        "--target",
+        target,
+        "--trace",
+        str(TRACES / "mooncake_conversation.jsonl"),
+        "--window",
+        "0:12",
+        "--rate",
+        "8",
+        "--length-scale",
+        "0.0625",
+        "--tbt-slo-ms",
+        "5000",
+        "--out",
+        str(tmp_path),
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["workload"] == "trace" and "rows 0-12, 8 req/s" in report["trace"]["replay"]
+    s = report["runs"][0]["all"]
+    assert s["requests"] == 12 and s["errors"] == 0
+    assert s["prompt_length_mismatches"] == 0  # every prompt is its traced length / 16, to the token
+    # the first rows share only their first hash-id block (32 tokens at this scale): the
+    # later ones hit it once it is computed (those arriving with the first cannot)
+    assert 0 < s["prefix_hit_rate"] <= 11 * 32 / s["prompt_tokens"]
+    assert s["queue_wait_p50_ms"] >= 0  # the done frames', or the server's histogram over HTTP
+    assert s["good_requests"] == 12 and s["goodput_req_per_s"] > 0
+    assert s["max_gap_ms"] >= s["itl_p99_ms"] >= s["itl_p50_ms"] > 0
+    md = (tmp_path / "report.md").read_text()
+    assert "| - | all |" in md and "mooncake_conversation.jsonl" in md
+    assert (tmp_path / "itl-0.png").stat().st_size > 0
 
 
 def test_poisson_over_the_openai_api(server):

@@ -88,7 +88,11 @@ def simulate_disaggregated(
                 link_free_ns[worker.name] = start + wire_ns
                 landed = start + wire_ns + int(link.latency_s * 1e9)
                 t = request_timings(o.request.timeline)
-                phases[o.request_id] = {"prefill_worker_ms": t.e2e_ms, "transfer_ms": (landed - done) / 1e6}
+                phases[o.request_id] = {
+                    "prefill_worker_ms": t.e2e_ms,
+                    "transfer_ms": (landed - done) / 1e6,
+                    "queue_wait_ms": t.queue_wait_ms,  # the scheduling delay: at the prefill worker
+                }
                 cluster.at(landed, o.request_id)
             else:
                 finished.append(o.request)
@@ -135,6 +139,7 @@ def _report(
         "summary": {
             "requests": len(reqs),
             **summarize(finished, start, end),
+            **({"queue_wait_p50_ms": percentile([p["queue_wait_ms"] for p in phases.values()], 50)} if phases else {}),
             "transfer_p50_ms": percentile([p["transfer_ms"] for p in phases.values()], 50),
             "kv_used_blocks_after": sum(w.engine.kv.num_used_blocks for w in cluster.workers),
         },

@@ -1,29 +1,27 @@
 """Run a workload through the real scheduler on a virtual clock (SimRunner).
 
-Workloads are arrival lists: built-in scenarios, or a JSONL trace with one
-request per line::
+Workloads are arrival lists: built-in scenarios, or a trace
+(``core.analysis.traces``: the Azure and Mooncake production traces, or
+stallfree's own JSONL with one request per line)::
 
     {"t": 0.25, "prompt_tokens": 812, "output_tokens": 64,
      "prefix": "system-a", "prefix_tokens": 256, "id": "r7", "priority": 0}
 
-``t`` (seconds), ``prompt_tokens`` and ``output_tokens`` are required.
-Requests naming the same ``prefix`` share their first ``prefix_tokens``
-tokens, so prefix caching can be replayed too.
+Requests sharing a prefix (a named one, or Mooncake's equal hash ids) share
+those tokens, so prefix caching is replayed too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from core.analysis.cost_model import CostModel
 from core.analysis.sim_runner import SimRunner, VirtualClock
+from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
 from core.sched.batch import IterationRecord
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
@@ -43,11 +41,6 @@ class Arrival:
     tenant: str = ""
 
 
-def _tokens(seed: Any, n: int) -> list[int]:
-    rng = random.Random(str(seed))
-    return [rng.randrange(17, VOCAB) for _ in range(n)]
-
-
 def make_arrival(
     at_s: float,
     request_id: str,
@@ -57,35 +50,24 @@ def make_arrival(
     prefix_tokens: int = 0,
     priority: int = 0,
 ) -> Arrival:
-    shared = _tokens(("prefix", prefix), min(prefix_tokens, prompt_tokens)) if prefix else []
-    prompt = shared + _tokens(("request", request_id), prompt_tokens - len(shared))
-    return Arrival(at_s, request_id, prompt, output_tokens, priority)
+    shared = ((f"p:{prefix}", min(prefix_tokens, prompt_tokens)),) if prefix else ()
+    r = TraceRequest(at_s, prompt_tokens, output_tokens, shared, request_id, priority)
+    return trace_arrivals([r])[0]
 
 
-def load_trace(path: Path) -> list[Arrival]:
-    """Parse a JSONL trace; errors name the line."""
-    arrivals = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = orjson.loads(line)
-            arrivals.append(
-                make_arrival(
-                    float(row["t"]),
-                    str(row.get("id", f"r{lineno}")),
-                    int(row["prompt_tokens"]),
-                    int(row["output_tokens"]),
-                    row.get("prefix"),
-                    int(row.get("prefix_tokens", 0)),
-                    int(row.get("priority", 0)),
-                )
-            )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{lineno}: bad trace line ({exc!r})") from None
-        if arrivals[-1].at_s < 0 or len(arrivals[-1].prompt) < 1 or arrivals[-1].max_tokens < 1:
-            raise ValueError(f"{path}:{lineno}: t must be >= 0, prompt_tokens and output_tokens >= 1")
-    return arrivals
+def trace_arrivals(requests: Iterable[TraceRequest], seed: object = "sim") -> list[Arrival]:
+    """Arrivals with token ids for trace requests (equal shared keys, equal tokens)."""
+    blocks: dict[str, list[int]] = {}
+    return [
+        Arrival(r.at_s, r.request_id, prompt_ids(r, seed, VOCAB, blocks=blocks), r.output_tokens, r.priority)
+        for r in requests
+    ]
+
+
+def load_trace(path: Path, how: Replay | None = None, seed: object = "sim") -> list[Arrival]:
+    """A trace file's window, scaled as ``how`` says (default: all of it as it is),
+    as arrivals; errors name the line."""
+    return trace_arrivals(replay(read_trace(path), how or Replay()), seed)
 
 
 def scenario(name: str) -> tuple[list[Arrival], dict[str, Any]]:

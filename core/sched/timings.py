@@ -70,13 +70,16 @@ def request_timings(timeline: Timeline) -> RequestTimings:
 
 
 def summarize(requests: Iterable[Request], start_ns: int, end_ns: int) -> dict[str, float]:
-    """A run's latency figures over its requests: every TTFT and every gap
-    pooled, throughput over [start_ns, end_ns]."""
+    """A run's latency figures over its requests: every TTFT, scheduling delay
+    (queue wait) and gap pooled, throughput over [start_ns, end_ns]."""
     ttfts: list[float] = []
+    waits: list[float] = []
     gaps: list[float] = []
     out_tokens = 0
     for req in requests:
-        ttfts.append(request_timings(req.timeline).ttft_ms)
+        timings = request_timings(req.timeline)
+        ttfts.append(timings.ttft_ms)
+        waits.append(timings.queue_wait_ms)
         gaps += [g / 1e6 for g in gaps_ns(req.timeline)]
         out_tokens += req.num_output_tokens
     duration_ns = end_ns - start_ns
@@ -86,6 +89,7 @@ def summarize(requests: Iterable[Request], start_ns: int, end_ns: int) -> dict[s
         "throughput_tokens_per_s": out_tokens / (duration_ns / 1e9) if duration_ns > 0 else 0.0,
         "ttft_p50_ms": percentile(ttfts, 50),
         "ttft_p99_ms": percentile(ttfts, 99),
+        "queue_wait_p50_ms": percentile(waits, 50),
         "itl_p50_ms": percentile(gaps, 50),
         "itl_p99_ms": percentile(gaps, 99),
         "max_gap_ms": max(gaps, default=0.0),

@@ -1,0 +1,98 @@
+"""Capacity under an SLO (Sarathi-Serve's): the search, and the search on the simulated engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli import main
+from core.analysis.capacity import SLO, Trial, budget_for, search, trial_from
+from core.analysis.cost_model import CostModel
+from core.analysis.simulator import load_trace, report, simulate
+from core.analysis.traces import Replay
+from core.sched.config import CacheConfig, SchedulerConfig
+
+AZURE = Path(__file__).resolve().parent.parent / "bench" / "traces" / "azure_llm_2023_conv.csv"
+
+
+def test_the_search_brackets_then_bisects_to_the_tolerance():
+    ran = []
+
+    def run(rate: float) -> Trial:  # TBT grows with the rate: 10 ms per request/s
+        ran.append(rate)
+        return Trial(rate, 10.0 * rate, 0.0)
+
+    found = search(run, SLO(tbt_p99_ms=123.0), first=1.0)
+    assert 12.3 / 1.05 <= found.rate <= 12.3
+    assert ran[:5] == [1.0, 2.0, 4.0, 8.0, 16.0]  # doubling until one fails
+    assert found.at_capacity.meets(SLO(123.0))
+    known = {t.rate: t for t in found.trials}
+    again = search(run, SLO(tbt_p99_ms=123.0), first=1.0, known=known)
+    assert again.rate == found.rate and len(ran) == len(found.trials)  # nothing run twice
+    looser = search(run, SLO(tbt_p99_ms=200.0), first=1.0, known=known)
+    assert 20 / 1.05 <= looser.rate <= 20  # started from the bracket the first search left
+
+
+def test_a_scheduling_delay_or_an_error_fails_a_trial():
+    slo = SLO(tbt_p99_ms=100.0)
+    assert Trial(1.0, 50.0, 1999.0).meets(slo)
+    assert not Trial(1.0, 50.0, 2001.0).meets(slo)  # the median request waited over 2 s to be scheduled
+    assert not Trial(1.0, 50.0, 10.0, errors=1).meets(slo)
+    found = search(lambda rate: Trial(rate, 1.0, 0.0, errors=1), slo, first=1.0, max_trials=6)
+    assert found.rate == 0 and found.at_capacity is None
+
+
+def sim_trial(rate: float, config: SchedulerConfig) -> Trial:
+    arrivals = load_trace(AZURE, Replay(count=60, rate=rate))
+    summary = report(simulate(arrivals, config, CacheConfig(8192, 16), CostModel(attention=True)))["summary"]
+    return trial_from(rate, summary)
+
+
+def test_on_the_simulated_engine_it_converges_and_grows_with_the_slo():
+    config = SchedulerConfig(token_budget=2048, max_num_seqs=64, max_model_len=16384)
+    known: dict[float, Trial] = {}
+    slos = (10.0, 30.0, 60.0)
+    found = {ms: search(lambda r: sim_trial(r, config), SLO(ms), first=2.0, known=known) for ms in slos}
+    rates = [found[ms].rate for ms in slos]
+    assert 0 < rates[0] < rates[1] < rates[2]
+    for ms, capacity in found.items():
+        best = capacity.at_capacity
+        assert best.meets(SLO(ms))
+        above = [t for t in capacity.trials if t.rate > capacity.rate]
+        assert above and min(t.rate for t in above) <= capacity.rate * 1.05 + 1e-9  # converged to 5 %
+        assert all(not t.meets(SLO(ms)) for t in above)
+
+
+def test_a_tbt_target_at_the_slo_serves_more_than_the_same_budget_without_one():
+    slo = SLO(30.0)
+    budget = SchedulerConfig(token_budget=2048, max_num_seqs=64, max_model_len=16384)
+    target = SchedulerConfig(token_budget=2048, max_num_seqs=64, max_model_len=16384, tbt_slo_ms=30.0)
+    plain = search(lambda r: sim_trial(r, budget), slo, first=5.0)
+    sized = search(lambda r: sim_trial(r, target), slo, first=5.0)
+    assert sized.rate > plain.rate
+    assert sized.at_capacity.tbt_p99_ms <= 30.0
+
+
+def test_the_recipes_budget_is_the_largest_predicted_within_the_slo():
+    cost = CostModel()  # 8B model, 400 TFLOP/s: 40 ms is about 1,000 tokens of compute
+    b = budget_for(cost, 40.0, 8, 512, 8192)
+    assert b % 16 == 0
+    assert cost.iteration_s([512] * 8, [(0, b - 8)]) * 1e3 <= 40.0 < cost.iteration_s([512] * 8, [(0, b + 8)]) * 1e3
+
+
+@pytest.mark.slow
+def test_simulate_capacity_cli(capsys):
+    argv = ["simulate", "--trace", str(AZURE), "--window", "0:40", "--capacity", "strict", "--token-budget", "1024"]
+    assert main([*argv, "--attention", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["slo"].startswith("P99 TBT <= ") and doc["decode_iteration_ms"] > 0
+    modes = [m["mode"] for m in doc["modes"]]
+    assert modes[0] == "token budget 1024" and modes[2] == "TBT target, budget 1024" and modes[3] == "unchunked"
+    for m in doc["modes"]:
+        assert m["capacity_req_per_s"] > 0 and m["trials"]
+    assert main(["simulate", "--capacity", "strict"]) == 2
+    assert "--capacity needs --trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(AZURE), "--window", "x:y", "--capacity", "strict"])
