@@ -64,6 +64,12 @@ def add_replay_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--time-scale", type=float, default=1.0, help="or multiply every inter-arrival gap (default 1)")
     g.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (default 1)")
     g.add_argument("--max-context", type=int, help="cap prompt + output (output to half of it, prompt to the rest)")
+    g.add_argument(
+        "--keep-ties",
+        action="store_true",
+        help="replay requests logged at one time as one burst (default: spread evenly to the next logged time; "
+        "Mooncake's trace logs on a 3 s grid)",
+    )
     return g
 
 
@@ -82,7 +88,7 @@ def replay_of(args: argparse.Namespace, rate: float | None = None) -> Replay:
 
     start, count = args.window
     pace = rate if rate is not None else args.rate
-    return Replay(start, count, pace, args.time_scale, args.length_scale, args.max_context)
+    return Replay(start, count, pace, args.time_scale, args.length_scale, args.max_context, not args.keep_ties)
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cli import main
-from core.analysis.capacity import SLO, Trial, budget_for, search, trial_from
+from core.analysis.capacity import SLO, Search, Trial, budget_for, search, trial_from
 from core.analysis.cost_model import CostModel
 from core.analysis.simulator import load_trace, report, simulate
 from core.analysis.traces import Replay
@@ -33,6 +33,22 @@ def test_the_search_brackets_then_bisects_to_the_tolerance():
     assert again.rate == found.rate and len(ran) == len(found.trials)  # nothing run twice
     looser = search(run, SLO(tbt_p99_ms=200.0), first=1.0, known=known)
     assert 20 / 1.05 <= looser.rate <= 20  # started from the bracket the first search left
+
+
+def test_searches_interleave_trial_by_trial_and_give_up_below_the_lowest_rate():
+    fast, slow = Search(SLO(100.0), first=1.0), Search(SLO(100.0), first=1.0, lowest=0.2)
+    order = []
+    while True:
+        pending = [(name, s) for name, s in (("fast", fast), ("slow", slow)) if s.next_rate() is not None]
+        if not pending:
+            break
+        for name, s in pending:
+            rate = s.next_rate()
+            order.append(name)
+            s.record(Trial(rate, rate * (10.0 if name == "fast" else 1000.0), 0.0))
+    assert order[:4] == ["fast", "slow", "fast", "slow"]
+    assert 10 / 1.05 <= fast.result.rate <= 10
+    assert slow.result.rate == 0.0 and [t.rate for t in slow.trials] == [1.0, 0.5, 0.25]  # 0.125 < lowest
 
 
 def test_a_scheduling_delay_or_an_error_fails_a_trial():

@@ -68,3 +68,25 @@ def test_fit_recovers_a_machine_with_a_small_batch_gemm():
     assert fitted.hardware.small_batch_rows == 64
     worst = max(abs(math.log(p.predicted_ms / p.measured_ms)) for p in points)
     assert worst < 0.05 < single  # one roofline cannot fit both paths; two can
+
+
+def test_each_sequence_adds_its_fixed_cost():
+    hw = HardwareSpec("h", flops=1e11, mem_bw=1e10, per_sequence_s=0.002)
+    cost, plain = CostModel(SPEC, hw), CostModel(SPEC, HardwareSpec("h", flops=1e11, mem_bw=1e10))
+    assert cost.iteration_s([100] * 8, [(0, 50)]) == pytest.approx(plain.iteration_s([100] * 8, [(0, 50)]) + 9 * 0.002)
+
+
+def test_fit_recovers_a_per_sequence_cost():
+    # decodes that cost far more than their GEMM rows (sampling, metadata): a
+    # roofline alone cannot fit decode-only batches and chunks together
+    hw = HardwareSpec("t", 8e11, 6e9, 0.005, 8e10, overlap=False, per_sequence_s=0.0015)
+    truth = CostModel(SPEC, hw, attention=True, kv_reads=True)
+    shapes = [(n, 256, 0, 0) for n in (1, 8, 16, 32, 64)]
+    shapes += [(8, 256, c, 0) for c in (16, 128, 512, 2048)] + [(0, 0, 256, p) for p in (512, 2048, 4096)]
+    points = []
+    for decodes, ctx, chunk, prefix in shapes:
+        ms = truth.iteration_s([ctx] * decodes, [(prefix, chunk)] if chunk else []) * 1e3
+        points.append(Point(decodes, ctx, chunk, prefix, ms))
+    fitted = fit(SPEC, points)
+    assert fitted.hardware.per_sequence_s == pytest.approx(0.0015, rel=0.2)
+    assert max(abs(math.log(p.predicted_ms / p.measured_ms)) for p in points) < 0.05

@@ -123,3 +123,14 @@ def test_text_prompts_have_exact_lengths_and_the_traces_sharing():
     assert encoded[0][block : 2 * block] != encoded[1][block : 2 * block]
     again = trace_jobs(rows, WordPrompts(tokenizer, seed=3))  # a later run: a cold prefix cache
     assert tokenizer.encode(again[0].prompt)[:block] != encoded[0][:block]
+
+
+def test_requests_logged_at_one_time_are_spread_to_the_next():
+    rows = read_trace(MOONCAKE)[:26]  # 10 at 0 s, 16 at 3 s: the trace's 3 s clock
+    assert [r.at_s for r in rows[:10]] == [0.0] * 10 and rows[10].at_s == 3.0
+    spread = replay(rows, Replay())
+    assert [round(r.at_s, 6) for r in spread[:10]] == [round(0.3 * i, 6) for i in range(10)]
+    assert spread[10].at_s == 3.0 and spread[25].at_s == pytest.approx(3.0 + 15 * 3 / 16)
+    assert [r.request_id for r in spread] == [r.request_id for r in rows]
+    bursts = replay(rows, Replay(spread_ties=False))
+    assert [r.at_s for r in bursts] == [r.at_s for r in rows]

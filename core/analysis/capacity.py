@@ -3,7 +3,7 @@
 Capacity is the highest arrival rate at which the P99 time between tokens
 (every output token's gap, stalls and preemptions included) stays within the
 TBT SLO and the median scheduling delay (arrival to first scheduled) within
-2 s. ``search`` finds it by trials at chosen rates: doubling or halving
+2 s. ``Search`` finds it by trials at chosen rates: doubling or halving
 from a first guess until one rate passes and a higher one fails, then
 bisecting (geometrically) until the two are within the tolerance (5 %).
 Trials already run (for another SLO on the same configuration) are reused.
@@ -62,6 +62,74 @@ class Capacity:
         return next((t for t in self.trials if t.rate == self.rate), None)
 
 
+class Search:
+    """One capacity search, a trial at a time: ``next_rate`` says which rate to
+    run next (None: done), ``record`` takes its trial. Searches on different
+    engines can so be interleaved, trial by trial (alternating, as a fair
+    comparison on a noisy machine needs). ``known``: trials already run on
+    this configuration (for another SLO), shared and filled in as it goes.
+
+    From ``first`` it doubles (or halves) until one rate passes and a higher
+    one fails, then bisects geometrically until they are within
+    ``tolerance``; it gives up below ``lowest`` (capacity 0) and after
+    ``max_trials``. It assumes that meeting the SLO is monotone in the rate."""
+
+    def __init__(
+        self,
+        slo: SLO,
+        first: float,
+        tolerance: float = 0.05,
+        max_trials: int = 16,
+        lowest: float = 0.0,
+        known: dict[float, Trial] | None = None,
+    ) -> None:
+        if not first > 0:
+            raise ValueError("the first rate must be > 0")
+        self.slo, self.first, self.tolerance = slo, first, tolerance
+        self.max_trials, self.lowest = max_trials, lowest
+        self.known = {} if known is None else known
+        self.trials: list[Trial] = []
+        passed = [r for r, t in self.known.items() if t.meets(slo)]
+        self.lo = max(passed, default=0.0)
+        self.hi = min((r for r, t in self.known.items() if not t.meets(slo) and r > self.lo), default=math.inf)
+
+    def next_rate(self) -> float | None:
+        """The next rate to run, or None once the search is done (known trials are taken as they come)."""
+        while len(self.trials) < self.max_trials:
+            rate = self._proposal()
+            if rate is None:
+                return None
+            if rate not in self.known:
+                return rate
+            self._take(self.known[rate])
+        return None
+
+    def record(self, trial: Trial) -> None:
+        self.known[trial.rate] = trial
+        self._take(trial)
+
+    def _proposal(self) -> float | None:
+        lo, hi = self.lo, self.hi
+        if lo == 0 and hi == math.inf:
+            return self.first
+        if hi == math.inf:
+            return lo * 2
+        if lo == 0:
+            return hi / 2 if hi / 2 >= self.lowest else None
+        return math.sqrt(lo * hi) if hi / lo > 1 + self.tolerance else None
+
+    def _take(self, trial: Trial) -> None:
+        self.trials.append(trial)
+        if trial.meets(self.slo):
+            self.lo = max(self.lo, trial.rate)
+        else:
+            self.hi = min(self.hi, trial.rate)
+
+    @property
+    def result(self) -> Capacity:
+        return Capacity(self.slo, self.lo, self.trials)
+
+
 def search(
     run: Callable[[float], Trial],
     slo: SLO,
@@ -70,42 +138,12 @@ def search(
     max_trials: int = 16,
     known: dict[float, Trial] | None = None,
 ) -> Capacity:
-    """The highest rate meeting ``slo``, to within ``tolerance``, starting at
-    ``first`` requests/s. ``known``: trials already run on this configuration
-    (filled in as this search runs more). Assumes that meeting the SLO is
-    monotone in the rate (a rate that fails, fails above it too)."""
-    if not first > 0:
-        raise ValueError("the first rate must be > 0")
-    known = {} if known is None else known
-    trials: list[Trial] = []
-
-    def trial(rate: float) -> Trial:
-        if rate not in known:
-            known[rate] = run(rate)
-        trials.append(known[rate])
-        return known[rate]
-
-    passed = [r for r, t in known.items() if t.meets(slo)]
-    failed = [r for r, t in known.items() if not t.meets(slo)]
-    lo = max(passed, default=0.0)
-    hi = min((r for r in failed if r > lo), default=math.inf)
-    rate = first if lo == 0 and hi == math.inf else None
-    while len(trials) < max_trials:
-        if rate is None:
-            if hi == math.inf:
-                rate = lo * 2
-            elif lo == 0:
-                rate = hi / 2
-            elif hi / lo <= 1 + tolerance:
-                break
-            else:
-                rate = math.sqrt(lo * hi)
-        if trial(rate).meets(slo):
-            lo = max(lo, rate)
-        else:
-            hi = min(hi, rate)
-        rate = None
-    return Capacity(slo, lo, trials)
+    """The highest rate meeting ``slo`` to within ``tolerance``, running
+    ``run(rate)`` for each trial (see ``Search``)."""
+    s = Search(slo, first, tolerance, max_trials, known=known)
+    while (rate := s.next_rate()) is not None:
+        s.record(run(rate))
+    return s.result
 
 
 def trial_from(rate: float, summary: dict[str, Any]) -> Trial:

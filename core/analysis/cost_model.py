@@ -65,6 +65,10 @@ class HardwareSpec:
     small_batch_rows: int = 0
     small_batch_flops: float = 0.0
     small_batch_bw: float = 0.0
+    # fixed per sequence in the batch (each decode, each chunk): its sampling, its
+    # attention metadata and launch, its Python; on CPU a decode costs far more
+    # than its GEMM rows (fitted by `stallfree profile`)
+    per_sequence_s: float = 0.0
 
 
 # The article's illustrative figures (not benchmarks).
@@ -113,7 +117,9 @@ class CostModel:
             attn += sum(self.model.attention_flops(p, n) for p, n in chunks)
         if self.kv_reads:
             kv_read = context + sum(p for p, _ in chunks)
-        return self.linear_s(tokens) + self.attention_s(attn, kv_read) + self.hardware.overhead_s
+        hw = self.hardware
+        sequences = decodes + len(chunks)
+        return self.linear_s(tokens) + self.attention_s(attn, kv_read) + hw.overhead_s + hw.per_sequence_s * sequences
 
     def observe(self, decode_contexts: Sequence[int], chunks: Chunks, measured_s: float) -> None:
         """A fixed model learns nothing (``OnlineCost`` corrects one from measurements)."""

@@ -95,18 +95,19 @@ def measure(runner: ModelRunner, num_blocks: int, quick: bool = False, decodes: 
 
 
 def fit(spec: ModelSpec, points: list[Point], small_batch_rows: int = 0) -> CostModel:
-    """Fit the roofline's FLOP/s, bandwidth, fixed overhead and attention FLOP/s
-    to the measurements, minimising the summed |log(predicted / measured)|:
+    """Fit the roofline's FLOP/s, bandwidth, fixed overhead, attention FLOP/s
+    and per-sequence cost to the measurements, minimising the summed
+    |log(predicted / measured)|:
     a coarse grid, then multiplicative refinement of one coefficient at a time;
     once with weight reads overlapping compute and once adding to it, keeping
-    the better fit. With ``small_batch_rows``, those four come from the larger
+    the better fit. With ``small_batch_rows``, those five come from the larger
     batches, and the small batches' own GEMM FLOP/s and weight-read rate are
     fitted next, on theirs."""
     small = [p for p in points if p.tokens <= small_batch_rows]
     large = [p for p in points if p.tokens > small_batch_rows] if len(points) - len(small) >= 4 else points
 
     def cost_of(v: tuple[float, ...], overlap: bool) -> CostModel:
-        hw = HardwareSpec("fitted", v[0], v[1], v[2], v[3], overlap)
+        hw = HardwareSpec("fitted", v[0], v[1], v[2], v[3], overlap, per_sequence_s=v[4])
         return CostModel(spec, hw, attention=True, kv_reads=True)
 
     def loss(cost: CostModel, on: list[Point]) -> float:
@@ -131,6 +132,7 @@ def fit(spec: ModelSpec, points: list[Point], small_batch_rows: int = 0) -> Cost
             [b * 1e9 for b in (2, 5, 10, 20, 50, 200, 1000, 4000)],  # bytes/s
             [o / 1e3 for o in (0.0, 0.1, 1.0, 3.0, 10.0)],  # overhead s
             [a * 1e9 for a in (3, 10, 30, 100, 300, 1000, 10000, 100000)],  # attention FLOP/s
+            [q / 1e3 for q in (0.0, 0.1, 0.3, 1.0, 3.0)],  # per sequence s
         )
 
         def score(v: tuple[float, ...]) -> float:
@@ -152,10 +154,19 @@ def fit(spec: ModelSpec, points: list[Point], small_batch_rows: int = 0) -> Cost
         )
         v = refine(min(grid, key=lambda v: loss(with_small(v), small)), lambda v: loss(with_small(v), small))
 
-        def joint(v: tuple[float, ...]) -> CostModel:  # all six together, on every point
-            flops, mem_bw, overhead_s, attention_flops, small_flops, small_bw = v
+        def joint(v: tuple[float, ...]) -> CostModel:  # all seven together, on every point
+            flops, mem_bw, overhead_s, attention_flops, per_sequence_s, small_flops, small_bw = v
             hw = HardwareSpec(
-                "fitted", flops, mem_bw, overhead_s, attention_flops, overlap, small_batch_rows, small_flops, small_bw
+                "fitted",
+                flops,
+                mem_bw,
+                overhead_s,
+                attention_flops,
+                overlap,
+                small_batch_rows,
+                small_flops,
+                small_bw,
+                per_sequence_s,
             )
             return CostModel(spec, hw, attention=True, kv_reads=True)
 
@@ -250,7 +261,8 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
     lines = [
         f"{p.model} ({p.dtype}, {p.threads} threads): fitted {hw.flops / 1e12:.2f} TFLOP/s (GEMM), "
         f"{(hw.attention_flops or hw.flops) / 1e12:.3f} TFLOP/s (attention), {hw.mem_bw / 1e9:.1f} GB/s, "
-        f"{hw.overhead_s * 1e3:.2f} ms fixed per iteration, weight reads "
+        f"{hw.overhead_s * 1e3:.2f} ms fixed per iteration and {hw.per_sequence_s * 1e3:.2f} ms per sequence, "
+        "weight reads "
         f"{'overlapping' if hw.overlap else 'added to'} GEMM compute"
         + (
             f"; batches up to {hw.small_batch_rows} tokens: {hw.small_batch_flops / 1e12:.3f} TFLOP/s, "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime as dt
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +53,17 @@ class Replay:
     time_scale: float = 1.0  # or: multiply every gap by this
     length_scale: float = 1.0  # multiply prompt, output and shared-run lengths
     max_context: int | None = None  # cap prompt + output: the output to half of it, then the prompt to the rest
+    # requests logged at one time are spread evenly up to the next logged time: a
+    # trace on a coarse clock (Mooncake's: a 3 s grid, ~10 requests a tick) would
+    # otherwise replay its ticks as bursts its traffic never had
+    spread_ties: bool = True
 
     def describe(self) -> str:
         end = "end" if self.count is None else self.start + self.count
         pace = f"{self.rate:g} req/s" if self.rate is not None else f"time x{self.time_scale:g}"
         cap = f", context cap {self.max_context}" if self.max_context else ""
-        return f"rows {self.start}-{end}, {pace}, lengths x{self.length_scale:g}{cap}"
+        ties = ", equal arrival times spread to the next" if self.spread_ties else ""
+        return f"rows {self.start}-{end}, {pace}, lengths x{self.length_scale:g}{cap}{ties}"
 
 
 def read_trace(path: Path) -> list[TraceRequest]:
@@ -129,6 +135,8 @@ def replay(requests: list[TraceRequest], how: Replay) -> list[TraceRequest]:
     if not rows:
         raise ValueError(f"the window starts at row {how.start}; the trace has {len(requests)}")
     rows = sorted(_from_first(rows), key=lambda r: r.at_s)
+    if how.spread_ties:
+        rows = _spread_ties(rows)
     factor = how.time_scale
     span = rows[-1].at_s
     if how.rate is not None:
@@ -136,6 +144,24 @@ def replay(requests: list[TraceRequest], how: Replay) -> list[TraceRequest]:
             raise ValueError("a rate needs a window of at least two requests apart in time")
         factor = (len(rows) - 1) / span / how.rate
     return [_scaled(r, factor, how) for r in rows]
+
+
+def _spread_ties(rows: list[TraceRequest]) -> list[TraceRequest]:
+    """Requests sharing an arrival time, evenly over the time to the next one
+    (the last group over the gap before it)."""
+    times = sorted({r.at_s for r in rows})
+    if len(times) == len(rows) or len(times) < 2:
+        return rows
+    after = dict(itertools.pairwise(times))
+    after[times[-1]] = times[-1] + (times[-1] - times[-2])
+    groups: dict[float, list[TraceRequest]] = {}
+    for r in rows:
+        groups.setdefault(r.at_s, []).append(r)
+    spread = []
+    for t, group in groups.items():
+        step = (after[t] - t) / len(group)
+        spread += [dataclasses.replace(r, at_s=t + i * step) for i, r in enumerate(group)]
+    return spread
 
 
 def _scaled(r: TraceRequest, factor: float, how: Replay) -> TraceRequest:

