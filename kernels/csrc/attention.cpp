@@ -44,6 +44,13 @@ struct Cache {
   }
 };
 
+// Bring one cache row (D values) towards L1.
+template <typename T, int D>
+inline void prefetch_row(const T* row) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int b = 0; b < static_cast<int>(D * sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // Running softmax state of one query vector.
 template <int D>
 struct Acc {
@@ -88,37 +95,99 @@ struct Acc {
 // One decode token: G query vectors against the whole sequence. Scores are
 // dot products straight from the cache rows, W tokens at a time, their
 // horizontal sums done together by one transpose-and-add (reduce_lanes).
-template <typename T, int D>
-void attend_decode(const T* q, int64_t q_head_stride, int G, const T* kc, const T* vc, const Cache& c, int seq_len,
+// G is a template argument, so each K and V row is loaded (and widened) once
+// for all G query vectors and their accumulators stay in registers: the row
+// loads, not the FMAs, were the cost of the loop taking one vector at a time.
+template <typename T, int D, int G>
+void attend_decode(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const Cache& c, int seq_len,
                    float scale, T* out, int64_t out_head_stride) {
-  constexpr int MAXG = 16;
-  vf qv[MAXG][D / W];
-  Acc<D> acc[MAXG];
+  vf qv[G][D / W];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < D / W; ++i) qv[g][i] = load(q + g * q_head_stride + i * W) * scale;
-  alignas(64) float s[TK];
-  int64_t off[TK];
+  float max[G], sum[G];
+  vf acc[G][D / W];
+  for (int g = 0; g < G; ++g) {
+    max[g] = NEG_INF, sum[g] = 0.f;
+    for (int i = 0; i < D / W; ++i) acc[g][i] = vf{};
+  }
+  alignas(64) float s[G][TK];
+  int64_t off[TK], next[TK];
+  c.offsets(0, std::min(TK, seq_len), next);
   for (int t0 = 0; t0 < seq_len; t0 += TK) {
     const int n = std::min(TK, seq_len - t0);
     const int padded = (n + W - 1) / W * W;
-    c.offsets(t0, n, off);
+    std::copy(next, next + n, off);
     std::fill(off + n, off + padded, off[n - 1]);  // valid rows to load; their scores are masked
-    for (int g = 0; g < G; ++g) {
-      for (int j0 = 0; j0 < padded; j0 += W) {
-        vf d[W];
-        for (int j = 0; j < W; ++j) {
-          const T* k = kc + off[j0 + j];
-          vf x = qv[g][0] * load(k);
-          for (int i = 1; i < D / W; ++i) x += qv[g][i] * load(k + i * W);
-          d[j] = x;
+    // The cache is cold here (the weights streamed through since the last iteration): ask for
+    // the next tile's rows now, so their misses overlap this tile's work instead of stalling it.
+    const int m = std::min(TK, seq_len - t0 - TK);
+    if (m > 0) {
+      c.offsets(t0 + TK, m, next);
+      for (int t = 0; t < m; ++t) prefetch_row<T, D>(kc + next[t]), prefetch_row<T, D>(vc + next[t]);
+    }
+    for (int j0 = 0; j0 < padded; j0 += W) {
+      vf d[G][W];
+      for (int j = 0; j < W; ++j) {
+        const T* k = kc + off[j0 + j];
+        vf kr[D / W];
+        for (int i = 0; i < D / W; ++i) kr[i] = load(k + i * W);
+        for (int g = 0; g < G; ++g) {
+          vf x = qv[g][0] * kr[0];
+          for (int i = 1; i < D / W; ++i) x += qv[g][i] * kr[i];
+          d[g][j] = x;
         }
-        store(s + j0, reduce_lanes(d));
       }
-      std::fill(s + n, s + padded, NEG_INF);
-      acc[g].absorb(s, padded, [&](int t) { return vc + off[t]; });
+      for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]));
+    }
+    for (int g = 0; g < G; ++g) {  // online softmax: the tile's probabilities, the running sums rescaled
+      std::fill(s[g] + n, s[g] + padded, NEG_INF);
+      vf mv = splat(max[g]);
+      for (int t = 0; t < padded; t += W) mv = vmax(mv, load(s[g] + t));
+      const float m = hmax(mv);
+      const float corr = std::exp(max[g] - m);
+      max[g] = m;
+      vf add{};
+      for (int t = 0; t < padded; t += W) {
+        const vf x = load(s[g] + t);
+        const vf e = x == NEG_INF ? vf{} : vexp(x - m);
+        store(s[g] + t, e);
+        add += e;
+      }
+      sum[g] = sum[g] * corr + hsum(add);
+      for (int i = 0; i < D / W; ++i) acc[g][i] *= corr;
+    }
+    for (int t = 0; t < n; ++t) {
+      const T* v = vc + off[t];
+      vf vr[D / W];
+      for (int i = 0; i < D / W; ++i) vr[i] = load(v + i * W);
+      for (int g = 0; g < G; ++g) {
+        const vf p = splat(s[g][t]);
+        for (int i = 0; i < D / W; ++i) acc[g][i] += p * vr[i];
+      }
     }
   }
-  for (int g = 0; g < G; ++g) acc[g].write(out + g * out_head_stride);
+  for (int g = 0; g < G; ++g) {
+    const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
+    for (int i = 0; i < D / W; ++i) store(out + g * out_head_stride + i * W, acc[g][i] * inv);
+  }
+}
+
+// Query heads per KV head, as a template argument up to 16 (the check in paged_attention).
+template <typename T, int D>
+void attend_decode(const T* q, int64_t q_head_stride, int G, const T* kc, const T* vc, const Cache& c, int seq_len,
+                   float scale, T* out, int64_t out_head_stride) {
+  switch (G) {
+#define SF_GROUP(N) \
+  case N:           \
+    return attend_decode<T, D, N>(q, q_head_stride, kc, vc, c, seq_len, scale, out, out_head_stride);
+    SF_GROUP(1) SF_GROUP(2) SF_GROUP(3) SF_GROUP(4) SF_GROUP(5) SF_GROUP(6) SF_GROUP(7) SF_GROUP(8)
+#undef SF_GROUP
+    default:  // wider groups: in slices of 8 (each slice reads the rows again)
+      for (int g0 = 0; g0 < G; g0 += 8) {
+        attend_decode<T, D>(q + g0 * q_head_stride, q_head_stride, std::min(8, G - g0), kc, vc, c, seq_len, scale,
+                            out + g0 * out_head_stride, out_head_stride);
+      }
+  }
 }
 
 // Scores of R query vectors (rows of q, D apart) against a packed, transposed
@@ -213,12 +282,21 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t table_stride = block_tables.stride(0);
   const int bs = k_cache.size(1);
   const float sc = static_cast<float>(scale);
+  auto cache_of = [&](const Work& w) {
+    return Cache{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
+                 static_cast<int64_t>(w.kv_head) * D};
+  };
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Work& w = work[i];
-      const Cache c{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
-                    static_cast<int64_t>(w.kv_head) * D};
+      const Cache c = cache_of(w);
       const int q_len = qs[w.seq + 1] - qs[w.seq];
+      if (i + 1 < end && qs[work[i + 1].seq + 1] - qs[work[i + 1].seq] == 1) {  // the next decode's first tile
+        int64_t off[TK];
+        const int n = std::min(TK, lens[work[i + 1].seq]);
+        cache_of(work[i + 1]).offsets(0, n, off);
+        for (int t = 0; t < n; ++t) prefetch_row<T, D>(kc + off[t]), prefetch_row<T, D>(vc + off[t]);
+      }
       const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
       const T* qw = qp + w.row0 * q_row + head0 * q_head;
       T* ow = op + w.row0 * o_row + head0 * D;
