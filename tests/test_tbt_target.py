@@ -213,3 +213,23 @@ def test_a_cold_start_learns_at_once_and_one_outlier_then_moves_it_a_bounded_ste
     cost.observe([0], [], 10.0)  # a 900x pause
     assert cost.factor(False) == pytest.approx(before * 2.0**0.1)
     assert cost.factor(True) == 1.0  # the other kind is untouched
+
+
+def test_the_aim_settles_where_about_one_iteration_in_a_hundred_runs_over():
+    # the runner is 1.2 x slower than the (fixed) model says: sized to the whole target,
+    # every iteration would miss; the aim learns to size to about 1 / 1.2 of it
+    clock = VirtualClock()
+    runner = SimRunner(FakeCost(), 16, clock, time_scale=1.2)
+    config = SchedulerConfig(token_budget=256, max_num_seqs=64, tbt_slo_ms=50.0, max_model_len=65_536)
+    e = Engine(config, CacheConfig(8192, 16), runner, clock, FakeCost())
+    decoding(e, 4, max_tokens=5000)
+    missed = []
+    for i in range(600):
+        if not e.scheduler.waiting and e.scheduler.num_partial_prefills == 0:
+            e.add_request(request(f"p{i}", 400, max_tokens=1))  # prefill to size, all the time
+        it = e.step().iteration
+        assert it.decode_tokens == 4
+        missed.append(it.target_missed)
+    assert e.scheduler.aim == pytest.approx(1 / 1.2, rel=0.05)
+    assert set(missed) <= {None, "prediction"}
+    assert 1 <= sum(m is not None for m in missed[-400:]) <= 12  # about 1 in 100

@@ -273,6 +273,7 @@ class Engine:
             kv_cached_blocks=self.kv.num_cached_blocks,
             preemptions=len(batch.preempted),
             tbt_slo_ms=s.config.tbt_slo_ms,
+            tbt_aim=s.aim,
             predicted_ns=int(predicted_s * 1e9),
             target_missed=missed,
         )
