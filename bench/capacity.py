@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ PEER = ROOT / "bench" / "peers" / "vllm"
 MODEL_DIR = PEER / "smollm2-hf"
 TRACES = ROOT / "bench" / "traces"
 TBT_BUDGET = 2048  # the TBT target's token budget: what a chunk takes when nobody decodes
+DRAIN_S = 180.0  # a trial still running this long after its last arrival has failed: its requests are cancelled
 MAX_MODEL_LEN = 4096
 # vLLM's queue-time histogram, finer than its defaults (0.3, 0.5, 0.8, 1, 1.5, 2, ...)
 VLLM_BUCKETS = {"request_latency": [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 5, 10]}
@@ -74,7 +74,26 @@ VLLM_BUCKETS = {"request_latency": [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 
 class TraceSpec:
     name: str
     file: Path
-    how: Replay  # its window, lengths and cap; the rate is what the search varies
+    length_scale: float
+    max_context: int = 2048
+
+    def at(self, rate: float, duration_s: float) -> Replay:
+        """The trial at ``rate``: the trace's first ``duration_s`` of requests at that mean rate."""
+        count = max(16, round(rate * duration_s))
+        return Replay(0, count, rate, length_scale=self.length_scale, max_context=self.max_context)
+
+    def describe(self, duration_s: float) -> str:
+        return (
+            f"the first {duration_s:g} s of requests at the trial's rate (at least 16), lengths x{self.length_scale:g}"
+            f", context cap {self.max_context}, equal arrival times spread to the next"
+        )
+
+
+TRACE_SPECS = {
+    "azure": TraceSpec("Azure LLM 2023 conversation", TRACES / "azure_llm_2023_conv.csv", 1 / 8),
+    # prompts 7x Azure's (p50 6,909 tokens): scaled further to fit the context cap and this CPU
+    "mooncake": TraceSpec("Mooncake conversation", TRACES / "mooncake_conversation.jsonl", 1 / 32),
+}
 
 
 @dataclass(slots=True)
@@ -90,12 +109,11 @@ class Run:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=48, help="requests per trial (a trace window)")
-    ap.add_argument("--length-scale", type=float, default=0.125, help="both traces' lengths (default 1/8)")
-    ap.add_argument("--max-context", type=int, default=2048, help="prompt + output cap")
-    ap.add_argument("--vllm-budgets", default="128,256,512,1024,2048", help="vLLM max_num_batched_tokens swept")
+    ap.add_argument("--trace", choices=[*TRACE_SPECS, "both"], default="both")
+    ap.add_argument("--duration-s", type=float, default=60.0, help="arrivals per trial: the trace's first N s")
+    ap.add_argument("--vllm-budgets", default="128,256,512,1024", help="vLLM max_num_batched_tokens swept")
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
-    ap.add_argument("--max-trials", type=int, default=10, help="per search")
+    ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
     args = ap.parse_args()
     if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
@@ -105,28 +123,21 @@ def main() -> None:
     base = dated("capacity")
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    traces = [
-        TraceSpec("Azure LLM 2023 conversation", TRACES / "azure_llm_2023_conv.csv", Replay()),
-        TraceSpec("Mooncake conversation", TRACES / "mooncake_conversation.jsonl", Replay()),
-    ]
-    traces = [
-        dataclasses.replace(
-            t, how=Replay(0, args.requests, length_scale=args.length_scale, max_context=args.max_context)
-        )
-        for t in traces
-    ]
+    traces = list(TRACE_SPECS.values()) if args.trace == "both" else [TRACE_SPECS[args.trace]]
     profile_path = args.profile or measure_profile(dtype)
     profile = Profile.load(profile_path)
+    budgets = [int(b) for b in args.vllm_budgets.split(",")]
     doc: dict[str, Any] = {
         "command": "python -m bench.capacity " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "dtype": dtype,
         "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
-        "traces": {t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.how.describe()} for t in traces},
+        "traces": {
+            t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.describe(args.duration_s)} for t in traces
+        },
         "trials": [],
     }
-    budgets = [int(b) for b in args.vllm_budgets.split(",")]
     sf, sf_port = start_stallfree(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
@@ -135,6 +146,7 @@ def main() -> None:
     sf_url = f"http://127.0.0.1:{sf_port}"
     vl_port = free_port()
     vl = start_vllm(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
+    runs: list[Run] = []
     try:
         decode_ms = {
             name: decode_gap_ms(OpenAITarget(url + "/v1", "smollm2"), tokenizer)
@@ -149,27 +161,27 @@ def main() -> None:
         )
         doc["slos"] = {name: slo.describe() for name, slo in slos.items()}
         rows = {t.name: read_trace(t.file) for t in traces}
-        predicted = predict(traces, rows, slos, profile)
-        doc["predicted"] = predicted
+        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.duration_s)
+        doc["predicted"] = predict(traces, rows, slos, profile, budgets, args.duration_s)
         write(base, doc)
-        runs = plan(traces, slos, profile, predicted, budgets, args.max_trials)
+        runs = plan(traces, slos, profile, doc["predicted"], budgets, args.max_trials)
         for budget in budgets:
             if budget != budgets[0]:
                 stop(vl)
                 vl = start_vllm(vl_port, budget, dtype, logs / f"capacity-vllm-{budget}.log")
-            engines = {
+            trial.engines = {
                 "stallfree": OpenAITarget(sf_url + "/v1", "smollm2"),
                 f"vllm-{budget}": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
             }
             active = [r for r in runs if r.engine.startswith("stallfree") or r.engine == f"vllm-{budget}"]
-            alternate(active, engines, rows, traces, tokenizer, sf_url, doc, base)
-        same_rate(runs, engines_for_stallfree(sf_url), rows, traces, tokenizer, sf_url, doc, base)
+            alternate(active, trial, doc, base)
+        same_rate(runs, trial, doc, base)
     finally:
         stop(vl)
         stop(sf)
-    doc["table"] = table(runs, slos, predicted)
+    doc["table"] = table(runs, slos, doc["predicted"])
     write(base, doc)
-    print((base.with_suffix(".md")).read_text())
+    print(base.with_suffix(".md").read_text())
 
 
 def measure_profile(dtype: str) -> Path:
@@ -216,25 +228,34 @@ def decode_gap_ms(target: OpenAITarget, tokenizer: Tokenizer, repeats: int = 2) 
 
 
 def predict(
-    traces: list[TraceSpec], rows: dict[str, list[TraceRequest]], slos: dict[str, SLO], profile: Profile
+    traces: list[TraceSpec],
+    rows: dict[str, list[TraceRequest]],
+    slos: dict[str, SLO],
+    profile: Profile,
+    budgets: list[int],
+    duration_s: float,
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """The simulator's capacities for stallfree's two configurations, on the profile's cost model."""
+    """The simulator's capacities (the real scheduler on the profile's cost model):
+    stallfree's two configurations, and stallfree at each of vLLM's budgets (the
+    first guess of vLLM's searches)."""
     cost = profile.cost_model
     out: dict[str, dict[str, dict[str, float]]] = {}
     for t in traces:
         out[t.name] = {}
         for slo_name, slo in slos.items():
+            configs = {**stallfree_configs(slo, profile)}
+            configs |= {f"vllm-{b}": {"tbt_slo_ms": 0.0, "token_budget": b} for b in budgets}
             out[t.name][slo_name] = {}
-            for engine, config in stallfree_configs(slo, profile).items():
+            for engine, config in configs.items():
                 scheduler = SchedulerConfig(max_num_seqs=64, max_model_len=MAX_MODEL_LEN, **config)
 
                 def run(rate: float, t: TraceSpec = t, scheduler: SchedulerConfig = scheduler) -> Trial:
-                    window = replay(rows[t.name], dataclasses.replace(t.how, rate=rate))
+                    window = replay(rows[t.name], t.at(rate, duration_s))
                     result = simulate(trace_arrivals(window), scheduler, CacheConfig(5825, 16), cost)
                     return trial_from(rate, report(result)["summary"])
 
-                out[t.name][slo_name][engine] = search(run, slo, first=0.5).rate
-            print(f"predicted {t.name}: {out[t.name]}", file=sys.stderr, flush=True)
+                out[t.name][slo_name][engine] = search(run, slo, first=1.0).rate
+            print(f"predicted {t.name}, {slo_name}: {out[t.name][slo_name]}", file=sys.stderr, flush=True)
     return out
 
 
@@ -254,102 +275,108 @@ def plan(
     budgets: list[int],
     max_trials: int,
 ) -> list[Run]:
-    """Every search, each starting from the simulator's prediction for stallfree's
-    TBT target on that trace and SLO; vLLM's searches at one budget share trials."""
+    """Every search, each from the simulator's prediction for its configuration;
+    vLLM's two searches (strict, relaxed) at one budget share their trials."""
     runs = []
     for t in traces:
         shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets}
         for slo_name, slo in slos.items():
-            first = max(predicted[t.name][slo_name]["stallfree-tbt"], 0.05)
+            guess = predicted[t.name][slo_name]
             for engine, config in stallfree_configs(slo, profile).items():
+                first = max(guess[engine], 0.05)
                 runs.append(Run(engine, t.name, slo_name, Search(slo, first, max_trials=max_trials, lowest=first / 16)))
                 runs[-1].config = config
             for b in budgets:
+                first = max(guess[f"vllm-{b}"], 0.05)
                 found = Search(slo, first, max_trials=max_trials, lowest=first / 16, known=shared[f"vllm-{b}"])
                 runs.append(Run(f"vllm-{b}", t.name, slo_name, found))
     return runs
 
 
-def alternate(
-    runs: list[Run],
-    engines: dict[str, OpenAITarget],
-    rows: dict[str, list[TraceRequest]],
-    traces: list[TraceSpec],
-    tokenizer: Tokenizer,
-    sf_url: str,
-    doc: dict[str, Any],
-    base: Path,
-) -> None:
+class Trials:
+    """Runs one trial: a trace's first seconds at a rate, on an engine, through its OpenAI API."""
+
+    def __init__(
+        self,
+        rows: dict[str, list[TraceRequest]],
+        specs: dict[str, TraceSpec],
+        tokenizer: Tokenizer,
+        sf_url: str,
+        duration_s: float,
+    ) -> None:
+        self.rows, self.specs, self.tokenizer = rows, specs, tokenizer
+        self.sf_url, self.duration_s = sf_url, duration_s
+        self.engines: dict[str, OpenAITarget] = {}
+
+    def __call__(self, r: Run, rate: float) -> Trial:
+        engine = "stallfree" if r.engine.startswith("stallfree") else r.engine
+        if engine == "stallfree":
+            httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
+        target = self.engines[engine]
+        metrics = target.base_url.removesuffix("/v1") + "/metrics"
+        wait_idle(metrics)
+        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.duration_s))
+        jobs = trace_jobs(window, WordPrompts(self.tokenizer, seed=int(time.time())))
+        started = time.perf_counter()
+        deadline_s = self.duration_s + DRAIN_S
+        results, queue_wait_ms = replay_jobs(target, jobs, metrics, deadline_s)
+        summary = summarize(results, tbt_slo_ms=r.search.slo.tbt_p99_ms, queue_wait_ms=queue_wait_ms)
+        summary["wall_s"] = time.perf_counter() - started
+        if "queue_wait_p50_ms" not in summary:  # not reported: the trial cannot show it met the SLO
+            summary["queue_wait_p50_ms"] = float("inf")
+        trial = trial_from(rate, summary)
+        print(
+            f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s ({len(jobs)} requests): "
+            f"p99 TBT {trial.tbt_p99_ms:7.0f} ms (SLO {r.search.slo.tbt_p99_ms:.0f}), "
+            f"sched p50 {trial.scheduling_delay_p50_ms:6.0f} ms, {trial.errors} errors: "
+            f"{'meets' if trial.meets(r.search.slo) else 'fails'} ({summary['wall_s']:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return trial
+
+
+def wait_idle(metrics_url: str, timeout_s: float = 120.0) -> None:
+    """Until the server reports nothing running or waiting (a timed-out trial's requests are aborted)."""
+    names = {"vllm:num_requests_running", "vllm:num_requests_waiting"}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(metrics_url, timeout=10).text
+        busy = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] in names
+        )
+        if busy == 0:
+            return
+        time.sleep(0.5)
+
+
+def alternate(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -> None:
     """Round robin over the searches, one trial each, until all are done."""
-    by_name = {t.name: t for t in traces}
     while True:
-        pending = [(r, rate) for r in runs if (rate := r.search.next_rate()) is not None]
+        pending = [r for r in runs if r.search.next_rate() is not None]
         if not pending:
             return
-        for r, rate in pending:
+        for r in pending:
             rate = r.search.next_rate()  # an earlier trial this round may have answered it (shared)
             if rate is None:
                 continue
-            trial = run_trial(r, rate, engines, rows[r.trace], by_name[r.trace], tokenizer, sf_url)
-            r.search.record(trial)
-            doc["trials"].append({"engine": r.engine, "trace": r.trace, "slo": r.slo_name, **trial_json(trial, r)})
+            result = trial(r, rate)
+            r.search.record(result)
+            doc["trials"].append({"engine": r.engine, "trace": r.trace, "slo": r.slo_name, **trial_json(result, r)})
             write(base, doc)
 
 
-def run_trial(
-    r: Run,
-    rate: float,
-    engines: dict[str, OpenAITarget],
-    rows: list[TraceRequest],
-    spec: TraceSpec,
-    tokenizer: Tokenizer,
-    sf_url: str,
-) -> Trial:
-    engine = "stallfree" if r.engine.startswith("stallfree") else r.engine
-    if engine == "stallfree":
-        httpx.put(sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
-    target = engines[engine]
-    window = replay(rows, dataclasses.replace(spec.how, rate=rate))
-    jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
-    started = time.perf_counter()
-    results, queue_wait_ms = replay_jobs(target, jobs, target.base_url.removesuffix("/v1") + "/metrics")
-    summary = summarize(results, tbt_slo_ms=r.search.slo.tbt_p99_ms, queue_wait_ms=queue_wait_ms)
-    summary["wall_s"] = time.perf_counter() - started
-    if "queue_wait_p50_ms" not in summary:  # not reported: the trial cannot show it met the SLO
-        summary["queue_wait_p50_ms"] = float("inf")
-    trial = trial_from(rate, summary)
-    print(
-        f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s: p99 TBT {trial.tbt_p99_ms:7.0f} ms "
-        f"(SLO {r.search.slo.tbt_p99_ms:.0f}), sched p50 {trial.scheduling_delay_p50_ms:6.0f} ms, "
-        f"{'meets' if trial.meets(r.search.slo) else 'fails'} ({summary['wall_s']:.0f} s)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return trial
-
-
-def same_rate(
-    runs: list[Run],
-    engines: dict[str, OpenAITarget],
-    rows: dict[str, list[TraceRequest]],
-    traces: list[TraceSpec],
-    tokenizer: Tokenizer,
-    sf_url: str,
-    doc: dict[str, Any],
-    base: Path,
-) -> None:
+def same_rate(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -> None:
     """stallfree (TBT target) at vLLM's best capacity rate: the two TTFTs at one rate."""
-    by_name = {t.name: t for t in traces}
     for r in runs:
         if r.engine != "stallfree-tbt":
             continue
         best = best_vllm(runs, r.trace, r.slo_name)
         if best is None or best.search.result.rate == 0:
             continue
-        rate = best.search.result.rate
-        trial = run_trial(r, rate, engines, rows[r.trace], by_name[r.trace], tokenizer, sf_url)
+        result = trial(r, best.search.result.rate)
         doc["trials"].append(
-            {"engine": r.engine, "trace": r.trace, "slo": r.slo_name, "at_vllm_capacity": True, **trial_json(trial, r)}
+            {"engine": r.engine, "trace": r.trace, "slo": r.slo_name, "at_vllm_capacity": True, **trial_json(result, r)}
         )
         write(base, doc)
 

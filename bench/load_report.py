@@ -76,13 +76,15 @@ def metrics_url(target: str) -> str:
     return f"{'https' if parts.scheme in ('https', 'wss') else 'http'}://{parts.netloc}/metrics"
 
 
-def replay_jobs(target: Target, jobs: list[Job], url: str | None = None) -> tuple[list[Result], float | None]:
-    """Run the jobs (a progress bar on stderr); with ``url``, the median queue wait
-    the server's /metrics histogram counted meanwhile (for servers whose responses
-    do not carry it)."""
+def replay_jobs(
+    target: Target, jobs: list[Job], url: str | None = None, deadline_s: float | None = None
+) -> tuple[list[Result], float | None]:
+    """Run the jobs (a progress bar on stderr; those not done ``deadline_s`` after
+    the start are cancelled); with ``url``, the median queue wait the server's
+    /metrics histogram counted meanwhile (for servers whose responses do not carry it)."""
     probe = QueueWaitProbe(url) if url else None
     with tqdm(total=len(jobs), unit="req", file=sys.stderr, leave=False) as bar:
-        results = asyncio.run(run_jobs(target, jobs, lambda done, total: bar.update(1)))
+        results = asyncio.run(run_jobs(target, jobs, lambda done, total: bar.update(1), deadline_s))
     return results, probe.median_ms() if probe is not None else None
 
 

@@ -300,8 +300,15 @@ class OpenAITarget:
         return res
 
 
-async def run_jobs(target: Target, jobs: list[Job], progress: Callable[[int, int], None] | None = None) -> list[Result]:
-    """Send each job at its time; returns results in job order."""
+async def run_jobs(
+    target: Target,
+    jobs: list[Job],
+    progress: Callable[[int, int], None] | None = None,
+    deadline_s: float | None = None,
+) -> list[Result]:
+    """Send each job at its time; returns results in job order. Jobs still
+    running ``deadline_s`` after the start are cancelled (their connections
+    closed, so the server aborts them) and count as errors."""
     t0 = time.perf_counter()
     done = 0
 
@@ -314,7 +321,15 @@ async def run_jobs(target: Target, jobs: list[Job], progress: Callable[[int, int
             progress(done, len(jobs))
         return res
 
-    return await asyncio.gather(*(one(j) for j in jobs))
+    tasks = [asyncio.create_task(one(j)) for j in jobs]
+    _, late = await asyncio.wait(tasks, timeout=deadline_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    return [
+        Result(job, job.at_s, error=f"not done {deadline_s:g} s after the start") if task in late else task.result()
+        for job, task in zip(jobs, tasks, strict=True)
+    ]
 
 
 class QueueWaitProbe:
