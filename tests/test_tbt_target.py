@@ -215,7 +215,7 @@ def test_a_cold_start_learns_at_once_and_one_outlier_then_moves_it_a_bounded_ste
     assert cost.factor(True) == 1.0  # the other kind is untouched
 
 
-def test_the_aim_settles_where_about_one_iteration_in_a_hundred_runs_over():
+def test_the_aim_settles_where_about_one_iteration_in_two_hundred_runs_over():
     # the runner is 1.2 x slower than the (fixed) model says: sized to the whole target,
     # every iteration would miss; the aim learns to size to about 1 / 1.2 of it
     clock = VirtualClock()
@@ -232,4 +232,4 @@ def test_the_aim_settles_where_about_one_iteration_in_a_hundred_runs_over():
         missed.append(it.target_missed)
     assert e.scheduler.aim == pytest.approx(1 / 1.2, rel=0.05)
     assert set(missed) <= {None, "prediction"}
-    assert 1 <= sum(m is not None for m in missed[-400:]) <= 12  # about 1 in 100
+    assert 1 <= sum(m is not None for m in missed[-400:]) <= 8  # about 1 in 200

@@ -24,7 +24,7 @@ at ``prefill_floor`` tokens (at least a quarter of them to the long prompt),
 and the batch says why it may run over (``Batch.over_target``). Chunks are
 sized to ``aim`` x the target, the aim learnt from the gaps decodes got (an
 iteration's end to the previous one's): down after a miss, up a little after
-each hit, so that about 1 % of iterations run over.
+each hit, so that about 1 in 200 iterations runs over.
 
 Pure Python: it decides, the runner computes.
 """
@@ -48,7 +48,7 @@ SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may 
 # The TBT target's aim: iterations are sized to aim x target, the aim adjusted after each
 # iteration sized within the target so that about MISS_RATE of them end over it (the
 # prediction's error, the loop's own time between iterations, the machine's noise).
-MISS_RATE = 0.01
+MISS_RATE = 0.005
 AIM_STEP = 0.05  # log step of the aim down after a miss; up by AIM_STEP * MISS_RATE / (1 - MISS_RATE) after a hit
 AIM_FLOOR = 0.5
 
