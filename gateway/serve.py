@@ -119,7 +119,7 @@ def log_startup(client: EngineClient, **facts: object) -> None:
         policy=cfg.policy,
         max_num_seqs=cfg.max_num_seqs,
         max_partial_prefills=cfg.max_partial_prefills,
-        long_prefill_tokens=cfg.long_prefill_tokens or cfg.token_budget,
+        long_prefill_tokens=cfg.long_prefill_tokens or ("fits the TBT target" if cfg.tbt_slo_ms else cfg.token_budget),
         max_defer_s=cfg.max_defer_s,
         dynamic_chunking=cfg.dynamic_chunking,
         max_model_len=cfg.max_model_len,

@@ -96,7 +96,8 @@ class SchedulerConfig:
     decode_reserve_tokens: int = 64
     # A prompt with more tokens than this still to prefill is "long": short
     # prompts' chunks go first, a quarter of the leftover budget stays with the
-    # long ones. 0: the token budget; at least the context length: off.
+    # long ones. 0: what one iteration can take (the token budget, or under a
+    # TBT target the tokens that fit it); at least the context length: off.
     long_prefill_tokens: int = 0
     tbt_slo_ms: float = 0.0
 

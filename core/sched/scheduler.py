@@ -11,9 +11,11 @@ Each iteration, in ``stall_free`` mode, three passes fill one token budget:
    fit contributes a chunk and carries over.
 
 In ``stall_free`` mode passes 2 and 3 run for short prompts first, then for long ones (more than
-``long_prefill_tokens`` still to prefill): a short prompt arriving behind a
-long one is admitted in the next iteration instead of after the long one's
-whole prefill, while a quarter of the leftover budget stays with the long one.
+``long_prefill_tokens`` still to prefill; by default more than one iteration
+can take: the budget, or what fits a TBT target): a short prompt arriving
+behind a long one is admitted in the next iteration instead of after the
+long one's whole prefill, while a quarter of the leftover budget stays with
+the long one.
 
 With a TBT target (``tbt_slo_ms``) and decodes in the batch, every chunk is
 also cut to the most tokens whose predicted iteration time (the cost model,
@@ -195,7 +197,7 @@ class Scheduler:
         iteration. While a request waits past ``max_defer_s``, admission
         follows policy order (the starvation ceiling puts it first) after all
         partial prefills."""
-        limit = self.config.long_prefill_tokens or self.config.token_budget
+        limit = self.config.long_prefill_tokens or self._iteration_tokens(batch, left)
         floor = self.config.prefill_floor
 
         def long(r: Request) -> bool:
@@ -220,6 +222,18 @@ class Scheduler:
         self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
         left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
         self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
+
+    def _iteration_tokens(self, batch: Batch, left: int) -> int:
+        """What one iteration can take of a prompt, the measure of a long one: the
+        token budget, or under a TBT target the tokens whose time fits it beside
+        the decodes (at least the floor)."""
+        target, cost = self._target, self.cost
+        if target is None or cost is None:
+            return self.config.token_budget
+        decodes, chunks = batch.shape()
+        limit_s = target.target_s * self.aim
+        fit = _largest(left, lambda m: cost.iteration_s(decodes, [*chunks, (0, m)]) <= limit_s)
+        return max(fit, self.config.prefill_floor)
 
     def _time_share(self, batch: Batch, share: float, floor: int) -> None:
         """Under a TBT target, the next pass may fill ``share`` of the time the
