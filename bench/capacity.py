@@ -1,12 +1,16 @@
 """Capacity under a TBT SLO (Sarathi-Serve's), stallfree beside vLLM, on production traces.
 
     bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
-    .venv/bin/python -m bench.capacity [--requests 48] [--vllm-budgets 128,256,512,1024,2048]
+    .venv/bin/python -m bench.capacity [--trace azure|mooncake|both] [--duration-s 60] \
+        [--vllm-budgets 128,256,512,1024] [--profile bench/results/profile-....json]
 
 Capacity is the highest arrival rate at which the P99 gap between tokens
 (every output token of every request) stays within the SLO and the median
 scheduling delay within 2 s, found by a binary search to 5 % over replays of
-a trace window at scaled rates (``core.analysis.capacity``). The SLOs are
+the trace at scaled rates (``core.analysis.capacity``): each trial replays
+the trace's first ``--duration-s`` of requests at its rate, lengths scaled
+for this CPU (Azure / 8; Mooncake, whose prompts are 7 x longer, / 32;
+prompt + output capped at 2,048 tokens). The SLOs are
 Sarathi-Serve's: strict = 5 x and relaxed = 25 x the decode-only iteration
 time, measured here at the start of the run as the median gap of 8 streams
 decoding, on each engine; the slower engine's sets both SLOs.
@@ -27,7 +31,7 @@ profile's cost model) predicts stallfree's capacities on the same windows;
 the prediction also seeds the searches.
 
 Writes a new bench/results/capacity-<date>.{json,md,png} (every trial, as it
-goes) and the profile it used, profile-<date>.{json,md}.
+goes) and, without ``--profile``, the profile it measured, profile-<date>.{json,md}.
 """
 
 from __future__ import annotations
