@@ -55,6 +55,7 @@ from bench.loadgen import Job, OpenAITarget, PromptMaker, WordPrompts, run_jobs,
 from bench.record import OUT, dated, describe, machine
 from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
 from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
+from core.analysis.online_cost import OnlineCost
 from core.analysis.profiler import Profile, choose_budget
 from core.analysis.simulator import report, simulate, trace_arrivals
 from core.analysis.traces import Replay, TraceRequest, read_trace, replay
@@ -63,6 +64,7 @@ from core.model.loader import embedded_model_path
 from core.model.model_runner import resolve_dtype
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.cost import IterationCost
 
 PEER = ROOT / "bench" / "peers" / "vllm"
 MODEL_DIR = PEER / "smollm2-hf"
@@ -183,10 +185,13 @@ def main() -> None:
             active = [r for r in runs if r.engine.startswith("stallfree") or r.engine == f"vllm-{budget}"]
             alternate(active, trial, doc, base)
         same_rate(runs, trial, doc, base)
+        doc["predicted_corrected"] = predict(
+            traces, rows, slos, profile, [], args.duration_s, learnt_corrections(doc["trials"])
+        )
     finally:
         stop(vl)
         stop(sf)
-    doc["table"] = table(runs, slos, doc["predicted"])
+    doc["table"] = table(runs, slos, doc["predicted"], doc["predicted_corrected"])
     write(base, doc)
     print(base.with_suffix(".md").read_text())
 
@@ -234,6 +239,18 @@ def decode_gap_ms(target: OpenAITarget, tokenizer: Tokenizer, repeats: int = 2) 
     return statistics.median(gaps)
 
 
+def learnt_corrections(trials: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Per trace, the median of what stallfree's cost model had learnt after each
+    of its trials there (decode-only, with prefill)."""
+    out = {}
+    for trace in dict.fromkeys(t["trace"] for t in trials):
+        seen = [t["cost_corrections"] for t in trials if t["trace"] == trace and t.get("cost_corrections")]
+        decode = statistics.median([c.get("decode", 1.0) for c in seen]) if seen else 1.0
+        prefill = statistics.median([c.get("prefill", 1.0) for c in seen]) if seen else 1.0
+        out[trace] = (decode, prefill)
+    return out
+
+
 def predict(
     traces: list[TraceSpec],
     rows: dict[str, list[TraceRequest]],
@@ -241,13 +258,17 @@ def predict(
     profile: Profile,
     budgets: list[int],
     duration_s: float,
+    corrected: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """The simulator's capacities (the real scheduler on the profile's cost model):
-    stallfree's two configurations, and stallfree at each of vLLM's budgets (the
-    first guess of vLLM's searches)."""
-    cost = profile.cost_model
+    """The simulator's capacities (the real scheduler on the profile's cost model,
+    or with ``corrected`` that model scaled by what the server learnt on each
+    trace): stallfree's two configurations, and stallfree at each of vLLM's
+    budgets (the first guess of vLLM's searches)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for t in traces:
+        cost: IterationCost = profile.cost_model
+        if corrected is not None:
+            cost = OnlineCost(profile.cost_model, corrections=corrected.get(t.name, (1.0, 1.0)))
         out[t.name] = {}
         for slo_name, slo in slos.items():
             configs = {**stallfree_configs(slo, profile)}
@@ -256,7 +277,9 @@ def predict(
             for engine, config in configs.items():
                 scheduler = SchedulerConfig(max_num_seqs=64, max_model_len=MAX_MODEL_LEN, **config)
 
-                def run(rate: float, t: TraceSpec = t, scheduler: SchedulerConfig = scheduler) -> Trial:
+                def run(
+                    rate: float, t: TraceSpec = t, scheduler: SchedulerConfig = scheduler, cost: IterationCost = cost
+                ) -> Trial:
                     window = replay(rows[t.name], t.at(rate, duration_s))
                     result = simulate(trace_arrivals(window), scheduler, CacheConfig(5825, 16), cost)
                     return trial_from(rate, report(result)["summary"])
@@ -331,6 +354,8 @@ class Trials:
         summary["wall_s"] = time.perf_counter() - started
         if "queue_wait_p50_ms" not in summary:  # not reported: the trial cannot show it met the SLO
             summary["queue_wait_p50_ms"] = float("inf")
+        if engine == "stallfree":  # what the server's cost model has learnt of this machine
+            summary["cost_corrections"] = corrections(metrics)
         trial = trial_from(rate, summary)
         print(
             f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s ({len(jobs)} requests): "
@@ -341,6 +366,16 @@ class Trials:
             flush=True,
         )
         return trial
+
+
+def corrections(metrics_url: str) -> dict[str, float]:
+    """stallfree's learnt measured / fitted factors, by kind of iteration."""
+    out = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("stallfree_cost_model_correction{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            out[kind] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def wait_idle(metrics_url: str, timeout_s: float = 120.0) -> None:
@@ -399,7 +434,10 @@ def trial_json(trial: Trial, r: Run) -> dict[str, Any]:
 
 
 def table(
-    runs: list[Run], slos: dict[str, SLO], predicted: dict[str, dict[str, dict[str, float]]]
+    runs: list[Run],
+    slos: dict[str, SLO],
+    predicted: dict[str, dict[str, dict[str, float]]],
+    corrected: dict[str, dict[str, dict[str, float]]],
 ) -> list[dict[str, Any]]:
     rows = []
     for trace in dict.fromkeys(r.trace for r in runs):
@@ -409,6 +447,7 @@ def table(
                 r = next(x for x in runs if (x.engine, x.trace, x.slo_name) == (engine, trace, slo_name))
                 cell[engine] = summary_of(r)
                 cell[engine]["predicted_req_per_s"] = predicted[trace][slo_name][engine]
+                cell[engine]["predicted_corrected_req_per_s"] = corrected[trace][slo_name][engine]
             best = best_vllm(runs, trace, slo_name)
             cell["vllm"] = summary_of(best) if best is not None else None
             cell["vllm_budgets"] = {
@@ -453,7 +492,7 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     lines += [
         "",
         "| trace | SLO | stallfree, TBT target | stallfree, fixed budget | vLLM, best budget | TBT target / vLLM |"
-        " simulator's prediction (TBT target, budget) |",
+        " simulator's prediction (TBT target, budget): the profile; corrected by what the server learnt |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for c in doc["table"]:
@@ -463,7 +502,8 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         lines.append(
             f"| {c['trace']} | {c['slo']} ({c['slo_ms']:.0f} ms) | {tbt['capacity_req_per_s']:.3g} req/s "
             f"| {fixed['capacity_req_per_s']:.3g} req/s | {v:.3g} req/s ({vllm['engine'] if vllm else '–'}) | {ratio} "
-            f"| {tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g} req/s |"
+            f"| {tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g}; "
+            f"{tbt['predicted_corrected_req_per_s']:.3g}, {fixed['predicted_corrected_req_per_s']:.3g} req/s |"
         )
     lines += [
         "",

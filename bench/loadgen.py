@@ -17,6 +17,7 @@ the trace's sharing.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import random
@@ -321,11 +322,20 @@ async def run_jobs(
             progress(done, len(jobs))
         return res
 
-    tasks = [asyncio.create_task(one(j)) for j in jobs]
-    _, late = await asyncio.wait(tasks, timeout=deadline_s)
-    for task in late:
-        task.cancel()
-    await asyncio.gather(*late, return_exceptions=True)
+    # A collection pause in this process would stamp tokens late: gaps the server never
+    # made. The cyclic collector waits until the run is over (a long-lived client, such
+    # as a capacity search, holds a large heap).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        tasks = [asyncio.create_task(one(j)) for j in jobs]
+        _, late = await asyncio.wait(tasks, timeout=deadline_s)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+    finally:
+        if collecting:
+            gc.enable()
     return [
         Result(job, job.at_s, error=f"not done {deadline_s:g} s after the start") if task in late else task.result()
         for job, task in zip(jobs, tasks, strict=True)

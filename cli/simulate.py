@@ -23,7 +23,7 @@ from cli.options import (
 )
 from core.analysis.simulator import SCENARIOS
 from core.cluster.router import ROUTERS
-from core.sched.config import CacheConfig, Chunking, SchedulerConfig
+from core.sched.config import CacheConfig
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     cap.add_argument(
         "--slo-batch", type=int, default=8, help="decodes in the decode-only iteration (default %(default)s)"
+    )
+    cap.add_argument(
+        "--duration-s", type=float, help="each trial replays the trace's first this many seconds at its rate"
     )
     add_scheduler_args(s)
     add_kv_args(s)
@@ -137,68 +140,37 @@ def run(args: argparse.Namespace) -> None:
 
 
 def run_capacity(args: argparse.Namespace) -> None:
-    """Capacity under the SLO for each way of scheduling, on the trace's window."""
-    from core.analysis.capacity import RELAXED, SLO, STRICT, Trial, budget_for, search, trial_from
-    from core.analysis.disagg_sim import simulate_disaggregated
+    """Capacity under the SLO for each way of scheduling, on the trace."""
+    from core.analysis.capacity import RELAXED, SLO, STRICT
     from core.analysis.profiler import Profile
-    from core.analysis.simulator import load_trace, report, simulate
-    from core.analysis.traces import read_trace, replay
-    from core.sched.timings import percentile
+    from core.analysis.sim_capacity import Setup, capacities
+    from core.analysis.traces import read_trace
 
     if args.trace is None:
         raise ValueError("--capacity needs --trace")
-    requests = read_trace(args.trace)
-    window = replay(requests, replay_of(args))
-    config = scheduler_config(args, {})
-    cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
-    cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
-    context = int(percentile([r.prompt_tokens for r in window], 50))
-    decode_ms = cost.iteration_s([context] * args.slo_batch, []) * 1e3
+    setup = Setup(
+        read_trace(args.trace),
+        replay_of(args),
+        scheduler_config(args, {}),
+        CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching),
+        Profile.load(args.profile).cost_model if args.profile else cost_model(args),
+        args.duration_s,
+        args.disaggregate,
+        kv_link(args) if args.disaggregate is not None else None,
+    )
+    decode_ms, context = setup.decode_iteration_ms(args.slo_batch)
     multiples = {"strict": STRICT, "relaxed": RELAXED}
     try:
         slo_ms = decode_ms * multiples[args.capacity] if args.capacity in multiples else float(args.capacity)
     except ValueError:
         raise ValueError(f"--capacity: strict, relaxed or the SLO in ms, not {args.capacity!r}") from None
     slo = SLO(slo_ms)
-    own_rate = (len(window) - 1) / window[-1].at_s if len(window) > 1 and window[-1].at_s > 0 else 1.0
-
-    def summary(rate: float, mode: SchedulerConfig, disaggregated: bool) -> dict[str, Any]:
-        arrivals = load_trace(args.trace, replay_of(args, rate))
-        if disaggregated:
-            p, d = args.disaggregate
-            return simulate_disaggregated(arrivals, p, d, kv_link(args), mode, cache, cost)["summary"]
-        return report(simulate(arrivals, mode, cache, cost))["summary"]
-
-    untargeted = dataclasses.replace(config, tbt_slo_ms=0.0)
-    fitted = budget_for(cost, slo_ms, args.slo_batch, context, config.max_model_len)
-    modes = [
-        (f"token budget {config.token_budget}", untargeted, False),
-        (f"token budget {fitted} (fits the SLO)", dataclasses.replace(untargeted, token_budget=fitted), False),
-        (f"TBT target, budget {config.token_budget}", dataclasses.replace(config, tbt_slo_ms=slo_ms), False),
-        ("unchunked", dataclasses.replace(untargeted, chunking=Chunking.NONE), False),
-    ]
-    if args.disaggregate is not None:
-        modes.append((f"disaggregated {args.disaggregate[0]}:{args.disaggregate[1]}", untargeted, True))
-    rows = []
-    for name, mode, disaggregated in modes:
-
-        def run(rate: float, mode: SchedulerConfig = mode, disaggregated: bool = disaggregated) -> Trial:
-            return trial_from(rate, summary(rate, mode, disaggregated))
-
-        found = search(run, slo, args.rate or own_rate)
-        best = found.at_capacity
-        rows.append(
-            {
-                "mode": name,
-                "capacity_req_per_s": found.rate,
-                "at_capacity": best.figures if best is not None else None,
-                "trials": [{"rate": t.rate, "meets": t.meets(slo), **t.figures} for t in found.trials],
-            }
-        )
-        print(f"{name}: {found.rate:.4g} req/s ({len(found.trials)} trials)", file=sys.stderr)
+    own_rate = setup.own_rate()
+    rows = capacities(setup, slo, args.slo_batch, args.rate or own_rate)
+    trials = f"the first {args.duration_s:g} s of requests at each trial's rate" if args.duration_s else "the window"
     doc = {
         "trace": str(args.trace),
-        "replay": replay_of(args).describe(),
+        "replay": f"{replay_of(args).describe()}; trials replay {trials}",
         "slo": slo.describe(),
         "decode_iteration_ms": decode_ms,
         "slo_basis": f"{args.slo_batch} decodes at context {context} (the window's median prompt)",

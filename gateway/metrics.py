@@ -75,6 +75,12 @@ class Metrics(Observer):
             registry=r,
         )
         self.tbt_slo = Gauge("stallfree_tbt_slo_seconds", "TBT target sizing each iteration (0: off)", registry=r)
+        self.cost_correction = Gauge(
+            "stallfree_cost_model_correction",
+            "Measured / fitted iteration time the cost model has learnt, by kind of iteration",
+            ["kind"],
+            registry=r,
+        )
         self.target_missed = Counter(
             "stallfree_tbt_target_missed",
             "Iterations with decodes that ran over the TBT target, by why: decodes (they alone fill it), "
@@ -119,6 +125,7 @@ class Metrics(Observer):
         self.iteration.observe(it.duration_ns / 1e9)
         if it.predicted_ns:
             self.prediction_error.observe(it.duration_ns / it.predicted_ns)
+            self.cost_correction.labels("prefill" if it.prefill_tokens else "decode").set(it.correction)
         if it.target_missed is not None:
             self.target_missed.labels(it.target_missed).inc()
         self.tbt_slo.set(it.tbt_slo_ms / 1e3)

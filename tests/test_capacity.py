@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from cli import main
 from core.analysis.capacity import SLO, Search, Trial, budget_for, search, trial_from
 from core.analysis.cost_model import CostModel
 from core.analysis.simulator import load_trace, report, simulate
@@ -98,17 +99,25 @@ def test_the_recipes_budget_is_the_largest_predicted_within_the_slo():
     assert cost.iteration_s([512] * 8, [(0, b - 8)]) * 1e3 <= 40.0 < cost.iteration_s([512] * 8, [(0, b + 8)]) * 1e3
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    # its own process: the command configures logging for the whole interpreter
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args], capture_output=True, text=True, check=False, timeout=300
+    )
+
+
 @pytest.mark.slow
-def test_simulate_capacity_cli(capsys):
+def test_simulate_capacity_cli():
     argv = ["simulate", "--trace", str(AZURE), "--window", "0:40", "--capacity", "strict", "--token-budget", "1024"]
-    assert main([*argv, "--attention", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    out = cli(*argv, "--attention", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
     assert doc["slo"].startswith("P99 TBT <= ") and doc["decode_iteration_ms"] > 0
     modes = [m["mode"] for m in doc["modes"]]
     assert modes[0] == "token budget 1024" and modes[2] == "TBT target, budget 1024" and modes[3] == "unchunked"
     for m in doc["modes"]:
         assert m["capacity_req_per_s"] > 0 and m["trials"]
-    assert main(["simulate", "--capacity", "strict"]) == 2
-    assert "--capacity needs --trace" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["simulate", "--trace", str(AZURE), "--window", "x:y", "--capacity", "strict"])
+    out = cli("simulate", "--capacity", "strict")
+    assert out.returncode == 2 and "--capacity needs --trace" in out.stderr
+    out = cli("simulate", "--trace", str(AZURE), "--window", "x:y", "--capacity", "strict")
+    assert out.returncode == 2 and "START:COUNT" in out.stderr

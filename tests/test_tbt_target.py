@@ -30,6 +30,9 @@ class FakeCost:
     def observe(self, decode_contexts, chunks, measured_s) -> None:
         pass
 
+    def correction(self, with_prefill) -> float:
+        return 1.0
+
 
 def engine(cost=None, **sched) -> Engine:
     cost = cost or FakeCost()
@@ -192,27 +195,27 @@ def test_online_correction_follows_a_runner_whose_speed_changes():
 
     decode_only, mixed = ratios(120)
     assert decode_only[-1] == pytest.approx(1.0, rel=0.02) and mixed[-1] == pytest.approx(1.0, rel=0.02)
-    assert cost.factor(False) == pytest.approx(0.5, rel=0.02)
+    assert cost.correction(False) == pytest.approx(0.5, rel=0.02)
     runner.time_scale = 2.0  # the machine slows down 4x
     decode_only, mixed = ratios(240)
     assert len(decode_only) > 60 and len(mixed) > 60
     assert decode_only[0] > 3  # the first iterations after the change are mispredicted
     assert decode_only[-1] == pytest.approx(1.0, rel=0.02) and mixed[-1] == pytest.approx(1.0, rel=0.02)
-    assert cost.factor(True) == pytest.approx(2.0, rel=0.02)
+    assert cost.correction(True) == pytest.approx(2.0, rel=0.02)
     run_to_completion(e)
 
 
 def test_a_cold_start_learns_at_once_and_one_outlier_then_moves_it_a_bounded_step():
     cost = OnlineCost(FakeCost(), weight=0.1)
     cost.observe([0], [], 0.022)  # twice the fitted 11 ms
-    assert cost.factor(False) == pytest.approx(2.0)
+    assert cost.correction(False) == pytest.approx(2.0)
     for _ in range(20):
         cost.observe([0], [], 0.011)
-    assert cost.factor(False) == pytest.approx(1.0, rel=0.1)
-    before = cost.factor(False)
+    assert cost.correction(False) == pytest.approx(1.0, rel=0.1)
+    before = cost.correction(False)
     cost.observe([0], [], 10.0)  # a 900x pause
-    assert cost.factor(False) == pytest.approx(before * 2.0**0.1)
-    assert cost.factor(True) == 1.0  # the other kind is untouched
+    assert cost.correction(False) == pytest.approx(before * 2.0**0.1)
+    assert cost.correction(True) == 1.0  # the other kind is untouched
 
 
 def test_the_aim_settles_where_about_one_iteration_in_two_hundred_runs_over():

@@ -123,3 +123,6 @@ class CostModel:
 
     def observe(self, decode_contexts: Sequence[int], chunks: Chunks, measured_s: float) -> None:
         """A fixed model learns nothing (``OnlineCost`` corrects one from measurements)."""
+
+    def correction(self, with_prefill: bool) -> float:
+        return 1.0

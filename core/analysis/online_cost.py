@@ -27,20 +27,21 @@ CLIP = math.log(2.0)  # largest log error one iteration may apply
 
 
 class OnlineCost:
-    def __init__(self, base: IterationCost, weight: float = 0.1) -> None:
+    def __init__(self, base: IterationCost, weight: float = 0.1, corrections: tuple[float, float] = (1.0, 1.0)) -> None:
+        """``corrections``: the factors to start from (decode-only, with prefill)."""
         if not 0 < weight <= 1:
             raise ValueError("weight must be in (0, 1]")
         self.base = base
         self.weight = weight
-        self._log_factor = [0.0, 0.0]  # [decode-only, with prefill]
+        self._log_factor = [math.log(c) for c in corrections]  # [decode-only, with prefill]
         self._observed = [0, 0]
 
-    def factor(self, with_prefill: bool) -> float:
-        """Measured / fitted time, as learned so far, for that kind of iteration."""
+    def correction(self, with_prefill: bool) -> float:
+        """Measured / fitted time, as learnt so far, for that kind of iteration."""
         return math.exp(self._log_factor[with_prefill])
 
     def iteration_s(self, decode_contexts: Sequence[int], chunks: Chunks) -> float:
-        return self.base.iteration_s(decode_contexts, chunks) * self.factor(bool(chunks))
+        return self.base.iteration_s(decode_contexts, chunks) * self.correction(bool(chunks))
 
     def observe(self, decode_contexts: Sequence[int], chunks: Chunks, measured_s: float) -> None:
         fitted = self.base.iteration_s(decode_contexts, chunks)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from core import faults
-from core.analysis.cost_model import CostModel
 from core.sched.batch import Batch, Sampled
+from core.sched.cost import IterationCost
 
 
 class VirtualClock:
@@ -46,7 +46,7 @@ class SimRunner:
 
     def __init__(
         self,
-        cost: CostModel,
+        cost: IterationCost,
         block_size: int,
         clock: VirtualClock | None = None,
         vocab_size: int = 32000,

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.analysis.cost_model import CostModel
 from core.analysis.sim_runner import SimRunner, VirtualClock
 from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
 from core.sched.batch import IterationRecord
 from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.cost import IterationCost
 from core.sched.engine import Engine
 from core.sched.request import Request, SamplingParams
 from core.sched.timings import request_timings, summarize
@@ -116,7 +116,9 @@ class SimResult:
     engine: Engine
 
 
-def simulate(arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: CacheConfig, cost: CostModel) -> SimResult:
+def simulate(
+    arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: CacheConfig, cost: IterationCost
+) -> SimResult:
     clock = VirtualClock()
     runner = SimRunner(cost, cache.block_size, clock, VOCAB)
     engine = Engine(scheduler, cache, runner, clock, cost)

@@ -111,6 +111,7 @@ class IterationRecord:
     tbt_slo_ms: float = 0.0  # the TBT target setting (it sized this iteration if it had decodes)
     tbt_aim: float = 1.0  # the fraction of the target the scheduler sized to (Scheduler.aim)
     predicted_ns: int = 0  # the cost model's prediction of its duration (0: no cost model)
+    correction: float = 1.0  # measured / fitted time the cost model has learnt for iterations of its kind
     # it had decodes and ran over the TBT target, and why: "decodes", "floor" (see
     # Batch.over_target) or "prediction" (sized within the target, measured over it)
     target_missed: str | None = None

@@ -25,3 +25,7 @@ class IterationCost(Protocol):
     def observe(self, decode_contexts: Sequence[int], chunks: Chunks, measured_s: float) -> None:
         """What an iteration of that shape measured (a fixed model ignores it)."""
         ...
+
+    def correction(self, with_prefill: bool) -> float:
+        """Measured / fitted time learnt so far for iterations of that kind (1 for a fixed model)."""
+        ...

@@ -275,6 +275,7 @@ class Engine:
             tbt_slo_ms=s.config.tbt_slo_ms,
             tbt_aim=s.aim,
             predicted_ns=int(predicted_s * 1e9),
+            correction=self.cost.correction(bool(batch.prefill_tokens)) if self.cost is not None else 1.0,
             target_missed=missed,
         )
 

@@ -1,0 +1,105 @@
+"""Capacity under a TBT SLO on the simulator, for each way of scheduling.
+
+The real scheduler on the cost model replays a trace at trial rates
+(``core.analysis.capacity``'s search): with the token budget given; with the
+largest budget the cost model puts within the SLO (the article's recipe);
+with a TBT target of the SLO; unchunked; and, for a P:D pair, disaggregated
+(P prefill and D decode workers: its capacity is the pair's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from core.analysis.capacity import SLO, Trial, budget_for, search, trial_from
+from core.analysis.cost_model import CostModel
+from core.analysis.disagg_plan import Link
+from core.analysis.disagg_sim import simulate_disaggregated
+from core.analysis.simulator import report, simulate, trace_arrivals
+from core.analysis.traces import Replay, TraceRequest, replay
+from core.sched.config import CacheConfig, Chunking, SchedulerConfig
+from core.sched.timings import percentile
+
+
+@dataclass(slots=True)
+class Setup:
+    """A trace and a machine to search capacity on."""
+
+    requests: list[TraceRequest]  # the whole trace, as read
+    how: Replay  # its window and lengths; each trial sets the rate
+    config: SchedulerConfig
+    cache: CacheConfig
+    cost: CostModel
+    duration_s: float | None = None  # trials replay the trace's first this long at their rate (else the window)
+    disaggregate: tuple[int, int] | None = None  # prefill and decode workers
+    link: Link | None = None  # their KV link
+
+    def at(self, rate: float) -> Replay:
+        """How a trial at ``rate`` replays the trace."""
+        if self.duration_s is None:
+            return dataclasses.replace(self.how, rate=rate)
+        return dataclasses.replace(self.how, count=max(16, round(rate * self.duration_s)), rate=rate)
+
+    def decode_iteration_ms(self, decodes: int) -> tuple[float, int]:
+        """The decode-only iteration the SLOs are multiples of: ``decodes`` at the
+        window's median prompt; returns it and that context."""
+        context = int(percentile([r.prompt_tokens for r in replay(self.requests, self.how)], 50))
+        return self.cost.iteration_s([context] * decodes, []) * 1e3, context
+
+    def own_rate(self) -> float:
+        """The window's own mean arrival rate (requests/s)."""
+        window = replay(self.requests, dataclasses.replace(self.how, rate=None))
+        span = window[-1].at_s
+        return (len(window) - 1) / span if len(window) > 1 and span > 0 else 1.0
+
+
+def modes(setup: Setup, slo: SLO, decodes: int, context: int) -> list[tuple[str, SchedulerConfig, bool]]:
+    """(name, scheduler settings, disaggregated) for each way of scheduling compared."""
+    config = setup.config
+    untargeted = dataclasses.replace(config, tbt_slo_ms=0.0)
+    fitted = budget_for(setup.cost, slo.tbt_p99_ms, decodes, context, config.max_model_len)
+    out = [
+        (f"token budget {config.token_budget}", untargeted, False),
+        (f"token budget {fitted} (fits the SLO)", dataclasses.replace(untargeted, token_budget=fitted), False),
+        (f"TBT target, budget {config.token_budget}", dataclasses.replace(config, tbt_slo_ms=slo.tbt_p99_ms), False),
+        ("unchunked", dataclasses.replace(untargeted, chunking=Chunking.NONE), False),
+    ]
+    if setup.disaggregate is not None:
+        p, d = setup.disaggregate
+        out.append((f"disaggregated {p}:{d}", untargeted, True))
+    return out
+
+
+def run_trial(setup: Setup, rate: float, mode: SchedulerConfig, disaggregated: bool) -> Trial:
+    arrivals = trace_arrivals(replay(setup.requests, setup.at(rate)))
+    if disaggregated:
+        assert setup.disaggregate is not None and setup.link is not None
+        p, d = setup.disaggregate
+        summary = simulate_disaggregated(arrivals, p, d, setup.link, mode, setup.cache, setup.cost)["summary"]
+    else:
+        summary = report(simulate(arrivals, mode, setup.cache, setup.cost))["summary"]
+    return trial_from(rate, summary)
+
+
+def capacities(setup: Setup, slo: SLO, decodes: int, first: float) -> list[dict[str, Any]]:
+    """Each mode's capacity, its figures at capacity and every trial."""
+    _, context = setup.decode_iteration_ms(decodes)
+    rows = []
+    for name, mode, disaggregated in modes(setup, slo, decodes, context):
+
+        def run(rate: float, mode: SchedulerConfig = mode, disaggregated: bool = disaggregated) -> Trial:
+            return run_trial(setup, rate, mode, disaggregated)
+
+        found = search(run, slo, first)
+        best = found.at_capacity
+        rows.append(
+            {
+                "mode": name,
+                "capacity_req_per_s": found.rate,
+                "at_capacity": best.figures if best is not None else None,
+                "trials": [{"rate": t.rate, "meets": t.meets(slo), **t.figures} for t in found.trials],
+            }
+        )
+    return rows
