@@ -53,7 +53,7 @@ import torch
 from bench.load_report import replay_jobs
 from bench.loadgen import Job, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
 from bench.record import OUT, dated, describe, machine
-from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
+from bench.servers import ROOT, VLLM, free_port, start_stallfree, start_vllm, stop
 from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from core.analysis.online_cost import OnlineCost
 from core.analysis.profiler import Profile, choose_budget
@@ -66,8 +66,7 @@ from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
 
-PEER = ROOT / "bench" / "peers" / "vllm"
-MODEL_DIR = PEER / "smollm2-hf"
+MODEL_DIR = VLLM / "smollm2-hf"
 TRACES = ROOT / "bench" / "traces"
 # The TBT target's token budget: the engine's default. The target cuts chunks below it; a
 # larger cap only lengthens iterations up to a loose target while the queue waits (the
@@ -125,7 +124,7 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
     args = ap.parse_args()
-    if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
+    if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
@@ -154,7 +153,7 @@ def main() -> None:
     )
     sf_url = f"http://127.0.0.1:{sf_port}"
     vl_port = free_port()
-    vl = start_vllm(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
+    vl = vllm_at(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
     runs: list[Run] = []
     try:
         decode_ms = {
@@ -177,7 +176,7 @@ def main() -> None:
         for budget in budgets:
             if budget != budgets[0]:
                 stop(vl)
-                vl = start_vllm(vl_port, budget, dtype, logs / f"capacity-vllm-{budget}.log")
+                vl = vllm_at(vl_port, budget, dtype, logs / f"capacity-vllm-{budget}.log")
             trial.engines = {
                 "stallfree": OpenAITarget(sf_url + "/v1", "smollm2"),
                 f"vllm-{budget}": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
@@ -210,18 +209,11 @@ def measure_profile(dtype: str) -> Path:
     return path
 
 
-def start_vllm(port: int, budget: int, dtype: str, log: Path) -> subprocess.Popen:
+def vllm_at(port: int, budget: int, dtype: str, log: Path) -> subprocess.Popen:
+    """vLLM at this max_num_batched_tokens, prefix caching on, its queue times in fine buckets."""
     flags = ["--dtype", dtype, "--max-num-batched-tokens", str(budget), "--max-model-len", str(MAX_MODEL_LEN)]
     flags += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    flags += ["--custom-histogram-buckets", json.dumps(VLLM_BUCKETS)]
-    proc = subprocess.Popen(
-        ["bash", str(PEER / "start.sh"), str(port), *flags],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
-    return proc
+    return start_vllm(port, log, *flags, "--custom-histogram-buckets", json.dumps(VLLM_BUCKETS))
 
 
 def engines_for_stallfree(sf_url: str) -> dict[str, OpenAITarget]:

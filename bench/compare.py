@@ -35,14 +35,13 @@ import torch
 
 from bench.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
 from bench.record import OUT, dated, describe, machine
-from bench.servers import ROOT, free_port, start_stallfree, stop, wait_ready
+from bench.servers import VLLM, free_port, start_stallfree, start_vllm, stop
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.model_runner import resolve_dtype
 from core.model.tokenizer import Tokenizer
 
-PEER = ROOT / "bench" / "peers" / "vllm"
-MODEL_DIR = PEER / "smollm2-hf"
+MODEL_DIR = VLLM / "smollm2-hf"
 
 
 def start_engine_stallfree(log: Path, dtype: str) -> tuple[subprocess.Popen, int]:
@@ -61,17 +60,6 @@ def start_engine_stallfree(log: Path, dtype: str) -> tuple[subprocess.Popen, int
         "4096",
         log=log,
     )
-
-
-def start_vllm(port: int, log: Path, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        ["bash", str(PEER / "start.sh"), str(port), *extra],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
-    return proc
 
 
 def decode_jobs(make: PromptMaker, streams: int) -> list[Job]:
@@ -100,7 +88,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     args = ap.parse_args()
-    if not (PEER / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
+    if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)

@@ -14,6 +14,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results"
+VLLM = ROOT / "bench" / "peers" / "vllm"  # install.sh, convert.sh and start.sh for the peer
 
 
 def free_port() -> int:
@@ -51,6 +52,18 @@ def start_stallfree(*serve_args: str, log: Path | None = None) -> tuple[subproce
     )
     wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
     return proc, port
+
+
+def start_vllm(port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """vLLM's OpenAI server (bench/peers/vllm/start.sh: its defaults, then ``flags``), once it is ready."""
+    proc = subprocess.Popen(
+        ["bash", str(VLLM / "start.sh"), str(port), *flags],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:

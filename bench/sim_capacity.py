@@ -27,7 +27,7 @@ from bench.capacity import TRACE_SPECS
 from core.analysis.capacity import RELAXED, SLO, STRICT
 from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
 from core.analysis.disagg_plan import Link
-from core.analysis.sim_capacity import Setup, capacities
+from core.analysis.sim_capacity import Setup, capacities, figures_at_capacity
 from core.analysis.traces import Replay, read_trace
 from core.sched.config import CacheConfig, SchedulerConfig
 
@@ -103,9 +103,7 @@ def write(doc: dict[str, Any], duration_s: float) -> None:
         ]
         for slo_name, cell in t["slos"].items():
             for r in cell["modes"]:
-                s = r["at_capacity"] or {}
-                f = [s.get(k, float("nan")) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
-                f += [s.get("max_gap_ms", float("nan")), s.get("queue_wait_p50_ms", float("nan"))]
+                f = figures_at_capacity(r)
                 lines.append(
                     f"| {slo_name} ({cell['slo_ms']:.1f}) | {r['mode']} | {r['capacity_req_per_s']:.3g} | {f[0]:.0f} "
                     f"| {f[1]:.0f} | {f[2]:.1f} | {f[3]:.1f} | {f[4]:.0f} | {f[5]:.0f} |"

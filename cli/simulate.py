@@ -181,6 +181,8 @@ def run_capacity(args: argparse.Namespace) -> None:
 
 
 def format_capacity(doc: dict[str, Any]) -> str:
+    from core.analysis.sim_capacity import figures_at_capacity
+
     lines = [
         f"capacity on {doc['trace']} ({doc['replay']}; the window's own rate {doc['trace_rate_req_per_s']:.3g} req/s)",
         f"SLO: {doc['slo']} (decode-only iteration {doc['decode_iteration_ms']:.3g} ms: {doc['slo_basis']})",
@@ -189,9 +191,7 @@ def format_capacity(doc: dict[str, Any]) -> str:
         f" {'sched p50':>9}  (ms, at capacity)",
     ]
     for row in doc["modes"]:
-        s = row["at_capacity"] or {}
-        figures = [s.get(k, float("nan")) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
-        figures += [s.get("max_gap_ms", float("nan")), s.get("queue_wait_p50_ms", float("nan"))]
+        figures = figures_at_capacity(row)
         lines.append(
             f"  {row['mode']:<36} {row['capacity_req_per_s']:>8.4g} {figures[0]:>9.1f} {figures[1]:>8.1f}"
             f" {figures[2]:>8.2f} {figures[3]:>8.2f} {figures[4]:>8.1f} {figures[5]:>9.1f}"

@@ -6,6 +6,7 @@ import random
 
 from core.analysis.cost_model import CostModel
 from core.analysis.sim_runner import SimRunner, VirtualClock
+from core.sched.batch import IterationRecord
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.request import Request, SamplingParams
@@ -52,3 +53,20 @@ def run_to_completion(engine: Engine, max_steps: int = 100_000) -> list:
         if out is not None:
             outs.append(out)
     raise AssertionError("engine did not drain")
+
+
+def step_items(engine: Engine) -> tuple[list[tuple[str, int, bool]], IterationRecord | None]:
+    """Run one iteration; return [(request id, tokens, is_prefill)] in batch order, and its record."""
+    seen: list[tuple[str, int, bool]] = []
+    real = engine.runner.execute
+
+    def spy(batch):
+        seen.extend((i.request.request_id, i.num_tokens, i.is_prefill) for i in batch.items)
+        return real(batch)
+
+    engine.runner.execute = spy
+    try:
+        out = engine.step()
+    finally:
+        engine.runner.execute = real
+    return seen, out.iteration if out is not None else None

@@ -7,23 +7,12 @@ import pytest
 from core.sched.config import SchedulerConfig
 from core.sched.request import RequestStatus
 from tests.simkit import request, run_to_completion, sim_engine
+from tests.simkit import step_items as run_step
 
 
 def step_items(engine):
     """Run one iteration; return [(request id, tokens, is_prefill)] in batch order."""
-    batch_seen = []
-    real = engine.runner.execute
-
-    def spy(batch):
-        batch_seen.extend((i.request.request_id, i.num_tokens, i.is_prefill) for i in batch.items)
-        return real(batch)
-
-    engine.runner.execute = spy
-    try:
-        engine.step()
-    finally:
-        engine.runner.execute = real
-    return batch_seen
+    return run_step(engine)[0]
 
 
 def start_decoding(engine, *rids, prompt=4, max_tokens=50):

@@ -20,6 +20,7 @@ from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.request import RequestStatus
 from tests.simkit import request, run_to_completion
+from tests.simkit import step_items as step
 
 
 class FakeCost:
@@ -39,23 +40,6 @@ def engine(cost=None, **sched) -> Engine:
     clock = VirtualClock()
     sched = {"token_budget": 256, "max_num_seqs": 64, "tbt_slo_ms": 50.0, **sched}
     return Engine(SchedulerConfig(**sched), CacheConfig(2048, 16), SimRunner(cost, 16, clock), clock, cost)
-
-
-def step(e: Engine):
-    """One iteration: the batch it ran as [(request id, tokens, is_prefill)], and its record."""
-    seen = []
-    real = e.runner.execute
-
-    def spy(batch):
-        seen.extend((i.request.request_id, i.num_tokens, i.is_prefill) for i in batch.items)
-        return real(batch)
-
-    e.runner.execute = spy
-    try:
-        out = e.step()
-    finally:
-        e.runner.execute = real
-    return seen, out.iteration
 
 
 def decoding(e: Engine, n: int, max_tokens: int = 200) -> None:

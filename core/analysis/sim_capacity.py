@@ -83,6 +83,15 @@ def run_trial(setup: Setup, rate: float, mode: SchedulerConfig, disaggregated: b
     return trial_from(rate, summary)
 
 
+AT_CAPACITY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+
+
+def figures_at_capacity(row: dict[str, Any]) -> list[float]:
+    """A mode's ``AT_CAPACITY`` figures (NaN where it met the SLO at no rate)."""
+    at = row["at_capacity"] or {}
+    return [at.get(k, float("nan")) for k in AT_CAPACITY]
+
+
 def capacities(setup: Setup, slo: SLO, decodes: int, first: float) -> list[dict[str, Any]]:
     """Each mode's capacity, its figures at capacity and every trial."""
     _, context = setup.decode_iteration_ms(decodes)
