@@ -37,6 +37,7 @@ class Batch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks, before the items run
     imports: list[Request] = field(default_factory=list)  # their kv_payload into their blocks, before the items run
     target_s: float = 0.0  # the TBT target this iteration was sized to (0: none applied)
+    predicted_s: float = 0.0  # the cost model's prediction of its time (0: no cost model)
     # why its predicted time may exceed that target: "decodes" (they alone fill it)
     # or "floor" (prefill was kept moving at the floor); None: sized within it
     over_target: str | None = None

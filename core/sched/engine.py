@@ -170,7 +170,6 @@ class Engine:
             if not batch.items:
                 return self._collect(None, [])
             shape = batch.shape()
-            predicted_s = self.cost.iteration_s(*shape) if self.cost is not None else 0.0
             sampled = self.runner.execute(batch)
             self._export(batch)
             end_ns = self.clock()
@@ -181,7 +180,7 @@ class Engine:
         self.failed_in_a_row = 0
         if self.cost is not None:
             self.cost.observe(*shape, (end_ns - start_ns) / 1e9)
-        return self._collect(self._record(batch, start_ns, end_ns, predicted_s), emitted)
+        return self._collect(self._record(batch, start_ns, end_ns), emitted)
 
     def _export(self, batch: Batch) -> None:
         """The KV of prompts just computed whose requests asked for it (kv_export),
@@ -251,7 +250,7 @@ class Engine:
             kv.num_cached_blocks,
         )
 
-    def _record(self, batch: Batch, start_ns: int, end_ns: int, predicted_s: float) -> IterationRecord:
+    def _record(self, batch: Batch, start_ns: int, end_ns: int) -> IterationRecord:
         s = self.scheduler
         target_ns = int(batch.target_s * 1e9)
         missed = (batch.over_target or "prediction") if target_ns and end_ns - start_ns > target_ns else None
@@ -274,7 +273,7 @@ class Engine:
             preemptions=len(batch.preempted),
             tbt_slo_ms=s.config.tbt_slo_ms,
             tbt_aim=s.aim,
-            predicted_ns=int(predicted_s * 1e9),
+            predicted_ns=int(batch.predicted_s * 1e9),
             correction=self.cost.correction(bool(batch.prefill_tokens)) if self.cost is not None else 1.0,
             target_missed=missed,
         )

@@ -24,16 +24,15 @@ short prompts may use three quarters of the time the decodes leave while a
 long one waits. When the decodes alone fill the target, prefill still moves
 at ``prefill_floor`` tokens (at least a quarter of them to the long prompt),
 and the batch says why it may run over (``Batch.over_target``). Chunks are
-sized to ``aim`` x the target, the aim learnt from the gaps decodes got (an
-iteration's end to the previous one's): down after a miss, up a little after
-each hit, so that about 1 in 200 iterations runs over.
+sized to ``aim`` x the target: 1 over the 99th percentile of the gap decodes
+got (an iteration's end to the previous one's) over its predicted time, in
+the last 256 iterations sized to a target.
 
 Pure Python: it decides, the runner computes.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,13 +44,15 @@ from core.sched.config import Chunking, SchedulerConfig
 from core.sched.cost import IterationCost
 from core.sched.policy import order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
+from core.sched.timings import percentile
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
-# The TBT target's aim: iterations are sized to aim x target, the aim adjusted after each
-# iteration sized within the target so that about MISS_RATE of them end over it (the
-# prediction's error, the loop's own time between iterations, the machine's noise).
-MISS_RATE = 0.005
-AIM_STEP = 0.05  # log step of the aim down after a miss; up by AIM_STEP * MISS_RATE / (1 - MISS_RATE) after a hit
+# The TBT target's aim: iterations are sized to aim x target, where the aim is 1 over the
+# AIM_PERCENTILE of (the gap decodes got) / (the iteration's predicted time) over the last
+# AIM_WINDOW iterations sized to a target: the prediction's error, the loop's own time
+# between iterations and the machine's noise, as a ratio, so it holds whatever the target.
+AIM_PERCENTILE = 99.0
+AIM_WINDOW = 256
 AIM_FLOOR = 0.5
 
 
@@ -86,6 +87,7 @@ class Scheduler:
         self.cost = cost  # predicts iteration times: the TBT target and dynamic chunking need it
         self._target: _Target | None = None  # this iteration's, while scheduling
         self.aim = 1.0  # the fraction of the TBT target iterations are sized to
+        self._gap_ratios: deque[float] = deque(maxlen=AIM_WINDOW)  # gap / predicted time, recent targeted iterations
         self._last_end_ns: int | None = None  # the previous iteration's end
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order, oldest first
@@ -186,6 +188,8 @@ class Scheduler:
                     self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
         finally:
             self._target = None
+        if self.cost is not None:
+            batch.predicted_s = self.cost.iteration_s(*batch.shape())
         return batch
 
     def _prefill(self, batch: Batch, left: int, now_ns: int) -> None:
@@ -433,16 +437,15 @@ class Scheduler:
     def _learn_aim(self, batch: Batch, start_ns: int, end_ns: int) -> None:
         """After an iteration sized within the TBT target: the gap its decodes got
         (from the previous iteration's end when they ran back to back, else its
-        own duration) against the target moves the aim."""
+        own duration) over its predicted time joins the window the aim is read from."""
         last, self._last_end_ns = self._last_end_ns, end_ns
-        if not batch.target_s or batch.over_target is not None:
+        if not batch.target_s or batch.over_target is not None or batch.predicted_s <= 0:
             return
         back_to_back = last is not None and start_ns - last < batch.target_s * 0.1e9
         gap_s = (end_ns - (last if back_to_back and last is not None else start_ns)) / 1e9
-        if gap_s > batch.target_s:
-            self.aim = max(AIM_FLOOR, self.aim * math.exp(-AIM_STEP))
-        else:
-            self.aim = min(1.0, self.aim * math.exp(AIM_STEP * MISS_RATE / (1 - MISS_RATE)))
+        self._gap_ratios.append(gap_s / batch.predicted_s)
+        if len(self._gap_ratios) >= 16:
+            self.aim = max(AIM_FLOOR, min(1.0, 1.0 / percentile(self._gap_ratios, AIM_PERCENTILE)))
 
     def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
         """Did another request's prefill run after req's previous token, up to now?
