@@ -288,17 +288,17 @@ class EngineClient:
 
     def _deliver(self, o: RequestOutput, emit_ns: int) -> None:
         faults.point("fan_out")
-        if o.finish_reason is not None and o.request is not None:
-            self._finished(o.request, o.finish_reason)
         stream = self._streams.get(o.request_id)
-        if stream is None:
-            return
-        self._unstarted.discard(o.request_id)
-        if o.new_token_ids:
+        if stream is not None and o.new_token_ids:  # observed before the finish, which frees the request's state
             gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
             n = len(o.new_token_ids)
             self._observe(lambda obs: obs.on_tokens(o.request_id, n, emit_ns, gap_ns, o.stalled))
             stream.last_emit_ns = emit_ns
+        if o.finish_reason is not None and o.request is not None:
+            self._finished(o.request, o.finish_reason)
+        if stream is None:
+            return
+        self._unstarted.discard(o.request_id)
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
             log.warning("slow_consumer", request_id=o.request_id)
             self.metrics.slow_consumers.inc()

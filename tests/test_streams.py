@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 
 from core.sched.request import FinishReason
 from gateway.streams import RequestStream
+from gateway.telemetry import MAX_SERIES
 from tests.server import sim_server
 from tests.test_gateway_ws import collect, recv, send
 
@@ -149,5 +150,29 @@ async def test_no_stream_is_left_unclosed_however_requests_end():
             await asyncio.sleep(0.2)  # the abandoned streams' consumers finish on the server's loop
             gc.collect()
         assert unclosed(record) == []
+    finally:
+        server.stop()
+
+
+async def test_finished_streams_give_back_their_dashboard_series():
+    """The dashboard draws MAX_SERIES streams gap by gap; each finished request frees its series
+    (a last token observed after its request's finish once took a series nobody freed, and after
+    MAX_SERIES requests the dashboard drew no gap at all)."""
+    server = sim_server()
+    try:
+        async with connect(server.ws_url) as ws:
+            for i in range(MAX_SERIES + 2):
+                await send(ws, type="generate", id=f"r{i}", prompt="hi", max_tokens=4, ignore_eos=True)
+                await collect(ws, [f"r{i}"])
+            async with connect(server.ws_url.replace("/v1/stream", "/ws/telemetry")) as dash:
+                await recv(dash)  # whatever was pending before
+                await send(ws, type="generate", id="last", prompt="hi", max_tokens=12, ignore_eos=True)
+                await collect(ws, ["last"])
+                gaps: list = []
+                for _ in range(50):  # frames come at most ten a second
+                    gaps += (await recv(dash))["gaps"]
+                    if len(gaps) == 11:  # a gap before each token but the first
+                        break
+        assert len(gaps) == 11 and len({slot for slot, *_ in gaps}) == 1
     finally:
         server.stop()

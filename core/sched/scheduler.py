@@ -154,6 +154,8 @@ class Scheduler:
         try:
             faults.point("schedule")
             self._schedule(batch, now_ns)
+            if self.cost is not None:
+                batch.predicted_s = self.cost.iteration_s(*batch.shape())
         except Exception as exc:
             raise ScheduleFailed(batch) from exc
         finally:
@@ -188,8 +190,6 @@ class Scheduler:
                     self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
         finally:
             self._target = None
-        if self.cost is not None:
-            batch.predicted_s = self.cost.iteration_s(*batch.shape())
         return batch
 
     def _prefill(self, batch: Batch, left: int, now_ns: int) -> None:
