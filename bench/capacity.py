@@ -336,7 +336,8 @@ class Trials:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         target = self.engines[engine]
         metrics = target.base_url.removesuffix("/v1") + "/metrics"
-        wait_idle(metrics)
+        for other in self.engines.values():  # neither engine still busy with an earlier trial
+            wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
         window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.duration_s))
         jobs = trace_jobs(window, WordPrompts(self.tokenizer, seed=int(time.time())))
         started = time.perf_counter()
