@@ -23,6 +23,7 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -405,6 +406,7 @@ def summarize(
     out: dict[str, Any] = {
         "requests": len(rs),
         "errors": len(rs) - len(ok),
+        "error_kinds": dict(Counter(r.error or "no tokens" for r in rs if r.error is not None or not r.token_s)),
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p90_ms": percentile(ttft, 90),
         "ttft_p99_ms": percentile(ttft, 99),
