@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.capacity import MODEL_DIR, TRACE_SPECS, TraceSpec
+from bench.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
 from bench.load_report import replay_jobs
 from bench.loadgen import OpenAITarget, WordPrompts, summarize, trace_jobs
 from bench.record import OUT, dated, describe, machine
@@ -74,8 +74,10 @@ def main() -> None:
                 if name == "tbt_slo_ms":
                     config = {"tbt_slo_ms": value, "token_budget": TBT_BUDGET}
                 httpx.put(url + "/api/config", json=config, timeout=30).raise_for_status()
+                wait_idle(url + "/metrics")
                 jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
-                results, queue_wait_ms = replay_jobs(target, jobs, url + "/metrics")
+                # a run still going DRAIN_S after its last arrival is cut (its requests count as errors)
+                results, queue_wait_ms = replay_jobs(target, jobs, url + "/metrics", args.duration_s + DRAIN_S)
                 s = summarize(results, queue_wait_ms=queue_wait_ms)
                 runs.append({"setting": name, "value": value, "repeat": repeat, **s})
                 print(
