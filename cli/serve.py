@@ -47,6 +47,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="tokens/s each API key may use, prompt + generated (429 with Retry-After beyond; default: no limit)",
     )
     gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
+    gw.add_argument("--max-connections", type=int, default=8192, help="open connections in all (503 beyond)")
+    gw.add_argument("--max-connections-per-client", type=int, default=2048, help="open connections per address")
+    gw.add_argument("--header-timeout-s", type=float, default=10.0, help="request line + headers arrive within this")
     gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
     gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")
     gw.add_argument("--switch-interval-ms", type=float, default=1.0, help="GIL switch interval (default %(default)s)")
@@ -76,6 +79,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from core.analysis.profiler import Profile, choose_budget
     from gateway.auth import WILDCARD_HOSTS
+    from gateway.connections import raise_file_limit
     from gateway.engine_client import EngineClient
     from gateway.serve import log_startup, make_server
     from gateway.settings import GatewaySettings
@@ -95,8 +99,14 @@ def run(args: argparse.Namespace) -> None:
         allowed_origins=tuple(args.allowed_origin or ()),
         host_names=() if args.host in WILDCARD_HOSTS else (args.host,),
         drain_timeout_s=args.drain_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+        max_connections_per_client=args.max_connections_per_client,
     )
-    facts: dict[str, object] = {}
+    # every connection is a file: the soft limit up to the hard one, the cap below it
+    files_before, files = raise_file_limit()
+    settings.max_connections = min(args.max_connections, files - 64)
+    facts: dict[str, object] = {"open_files_limit": f"{files_before} -> {files}" if files != files_before else files}
+    facts["max_connections"] = settings.max_connections
     if args.replicas is not None or args.disaggregate is not None:
         return run_replicas(args, config, settings)
     if args.sim:
@@ -107,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
             config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
         )
         settings.model_name = "stallfree-sim"
-        facts = {"runner": "simulated"}
+        facts["runner"] = "simulated"
     else:
         from core.build import engine_over, load_runner, startup_profile
 
@@ -123,7 +133,7 @@ def run(args: argparse.Namespace) -> None:
         engine = engine_over(runner, config, prof)
         tokenizer = runner.tokenizer
         settings.model_name = args.model_name or runner.config.name
-        facts = {
+        facts |= {
             "runner": "torch",
             "dtype": str(runner.dtype),
             "threads": runner.threads,

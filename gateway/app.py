@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
@@ -110,7 +111,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = Headers(scope=scope)
         if scope["method"] not in SAFE_METHODS:
             s = self.client.settings
             why = cross_origin_refusal(headers, s.allowed_origins, s.host_names)

@@ -6,16 +6,22 @@ import hmac
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from starlette.datastructures import Headers
+
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen addresses that name no host
 
 
-def request_key(headers: Mapping[str, str]) -> str | None:
-    """The key from ``Authorization: Bearer <key>`` (or ``X-API-Key``)."""
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return headers.get("x-api-key")
+def request_key(headers: Headers) -> str | None:
+    """The key from ``Authorization: Bearer <key>`` (or ``X-API-Key``). None
+    when either header comes twice: which copy a server reads differs between
+    servers and proxies, so neither counts."""
+    auth, api = headers.getlist("authorization"), headers.getlist("x-api-key")
+    if len(auth) > 1 or len(api) > 1:
+        return None
+    if auth and auth[0][:7].lower() == "bearer ":
+        return auth[0][7:].strip()
+    return api[0] if api else None
 
 
 def tenant_of(given: object, keys: tuple[str, ...]) -> str | None:

@@ -25,7 +25,16 @@ from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
-from gateway.protocol import HTTP_STATUS, GenerateRequest, ProtocolError, boolean, error_body, integer, parse_generate
+from gateway.protocol import (
+    HTTP_STATUS,
+    GenerateRequest,
+    ProtocolError,
+    boolean,
+    error_body,
+    integer,
+    parse_generate,
+    parse_json_object,
+)
 from gateway.streams import RequestStream
 from gateway.tools import CallStream, ToolCall, Tools, forced_call, may_start_call, parse_tools, read_calls
 from gateway.tools import grammar as tool_grammar
@@ -47,13 +56,7 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str,
                 raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
     if scope.cancelled_caught:
         raise ProtocolError("timeout", f"request body not received within {timeout_s:g} s")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ProtocolError("invalid_request", "request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("invalid_request", "request body must be a JSON object")
-    return data
+    return parse_json_object(body, "request body")
 
 
 async def models(request: Request) -> Response:

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from core.sched.request import MAX_LOGPROBS, SamplingParams
 from gateway.structured import grammar_of
 from gateway.tools import Tools
@@ -30,6 +32,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_ID_CHARS = 128
+MAX_JSON_DEPTH = 64  # nesting of a body or frame; deeper is refused before any field is read
 
 
 class ProtocolError(Exception):
@@ -238,3 +241,27 @@ HTTP_STATUS = {
     "internal": 500,
     "unavailable": 503,
 }
+
+
+def parse_json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """A request body or frame as a JSON object no deeper than MAX_JSON_DEPTH:
+    one check at the edge, so no field's handler (nor a frame echoing it)
+    meets a value nested hundreds of levels deep."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ProtocolError("invalid_request", f"{what} is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("invalid_request", f"{what} must be a JSON object")
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise ProtocolError("invalid_request", f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def _deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    level: list[Any] = [value]
+    for _ in range(limit):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, dict | list)]
+        if not level:
+            return False
+    return True

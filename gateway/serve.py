@@ -21,6 +21,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import CloseCode, Frame, Opcode
 
 from gateway.app import create_app
+from gateway.connections import GatewayConfig
 from gateway.engine_client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -86,8 +87,9 @@ def make_server(
 ) -> DrainingServer:
     """send_buffer_bytes: the kernel send buffer per connection (default: the OS's,
     up to 4 MB here); smaller makes a stalled reader push back sooner."""
-    config = uvicorn.Config(
+    config = GatewayConfig(
         create_app(client),
+        client.settings,
         host=host,
         port=port,
         ws=WebSocketProtocol,

@@ -16,6 +16,12 @@ class GatewaySettings:
     max_frame_bytes: int = 1 << 20  # WebSocket text frame
     max_body_bytes: int = 1 << 20  # HTTP request body
     body_timeout_s: float = 30.0  # the whole HTTP request body must arrive within this (else 408 timeout)
+    # connections (gateway/connections.py), checked before the app sees a request
+    max_header_bytes: int = 32 * 1024  # request line + headers; more -> 431
+    max_headers: int = 100  # header fields; more -> 431
+    header_timeout_s: float = 10.0  # a request's line and headers must arrive within this (else 408, closed)
+    max_connections: int = 8192  # open HTTP + WebSocket connections in all (at most the file limit - 64); more -> 503
+    max_connections_per_client: int = 2048  # from one client address; more -> 503
     # streaming
     stream_queue_frames: int = 64  # per-request queue; beyond it tokens coalesce into one frame
     slow_consumer_s: float = 30.0  # a stream with unread tokens this old is cancelled (slow_consumer)

@@ -21,9 +21,10 @@ import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from core.sched.timings import request_timings
+from gateway.auth import tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
-from gateway.protocol import ProtocolError, boolean, parse_generate
+from gateway.protocol import ProtocolError, boolean, parse_generate, parse_json_object
 from gateway.streams import RequestStream
 from gateway.ws_auth import accept
 
@@ -59,7 +60,12 @@ class Connection:
         if self.closed:
             return
         try:
-            await self.ws.send_text(orjson.dumps(frame).decode())
+            text = orjson.dumps(frame).decode()
+        except orjson.JSONEncodeError:  # a bug, not the client's: this frame is lost, the socket's others are not
+            log.exception("frame_not_encodable", type=frame.get("type"), id=_echo(frame.get("id")))
+            return
+        try:
+            await self.ws.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.closed = True  # the reader sees the disconnect and cleans up
 
@@ -99,25 +105,27 @@ class Connection:
             await self.error("invalid_request", f"frame larger than {self.settings.max_frame_bytes} bytes")
             return None
         try:
-            frame = orjson.loads(text)
-        except orjson.JSONDecodeError:
-            await self.error("invalid_request", "frame is not valid JSON")
+            return parse_json_object(text, "frame")
+        except ProtocolError as exc:
+            await self.error(exc.code, exc.message)
             return None
-        if not isinstance(frame, dict):
-            await self.error("invalid_request", "frame must be a JSON object")
-            return None
-        return frame
 
     async def _dispatch(self, kind: Any, frame: dict[str, Any], tg: anyio.abc.TaskGroup) -> None:
         if kind == "ping":
             await self.send({"type": "pong"})
-        elif kind == "auth":
-            await self.send({"type": "authenticated"})
+        elif kind == "auth":  # again, on a socket already open
+            if not self.settings.api_keys:
+                await self.error("invalid_request", "this server takes no API key")
+            elif tenant_of(frame.get("api_key"), self.settings.api_keys) != self.tenant:
+                self.client.metrics.errors.labels("unauthorized").inc()
+                await self.error("unauthorized", "wrong API key (this socket keeps the key it opened with)")
+            else:
+                await self.send({"type": "authenticated"})
         elif kind == "cancel":
-            gen_id = frame.get("id")
-            gen = self.gens.get(gen_id) if isinstance(gen_id, str) else None
+            gen_id = _echo(frame.get("id"))
+            gen = self.gens.get(gen_id) if gen_id is not None else None
             if gen is None:
-                await self.error("invalid_request", f"no generation with id {gen_id!r}", gen_id)
+                await self.error("invalid_request", "cancel needs the id of a running generation", gen_id)
                 return
             gen.cancelled = True
             if gen.request_id is not None:
@@ -135,7 +143,10 @@ class Connection:
                 self.gens[gen_id] = _Generation()
                 tg.start_soon(self._start, gen_id, frame)
         else:
-            await self.error("invalid_request", f"unknown frame type {kind!r}", frame.get("id"))
+            named = f" {kind!r}" if isinstance(kind, str) and len(kind) <= 32 else ""
+            await self.error(
+                "invalid_request", f"unknown frame type{named}: generate, cancel, ping or auth", _echo(frame.get("id"))
+            )
 
     async def _start(self, gen_id: str, frame: dict[str, Any]) -> None:
         """Validate, tokenize (off the loop) and submit; the writer streams the rest."""
@@ -204,6 +215,12 @@ class Connection:
                 self.gens.pop(gen_id, None)
                 await self.send(_done(gen_id, piece, gen.prompt_tokens, gen.sent_tokens))
                 return
+
+
+def _echo(gen_id: object) -> str | None:
+    """An id fit to send back: a string of at most 128 characters (else None,
+    so a client's 500 kB or deeply nested "id" never comes back to it)."""
+    return gen_id if isinstance(gen_id, str) and len(gen_id) <= 128 else None
 
 
 def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -1,0 +1,172 @@
+"""What a hostile or careless client controls before admission, against the
+real gateway (simulated engine): request heads, idle and slow connections,
+connection counts, deep JSON, frames that cannot be echoed, auth frames."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+
+from gateway.protocol import MAX_JSON_DEPTH
+from gateway.settings import GatewaySettings
+from tests.server import sim_server
+from tests.test_gateway_ws import recv, send
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = sim_server(settings=GatewaySettings(header_timeout_s=1.0, max_connections_per_client=40))
+    yield s
+    s.stop()
+
+
+def _exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send data on a fresh connection and read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):  # refused before it read everything
+            pass
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    return reply
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_a_huge_header_is_refused_before_it_is_parsed(server):
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 << 20) + b"\r\n\r\n"
+    start = time.process_time()
+    reply = _exchange(server.port, head)
+    assert reply.startswith(b"HTTP/1.1 431") and b"over 32768 bytes" in reply
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert time.process_time() - start < 5  # the test's own CPU: sending, not waiting on a parse
+
+
+def test_too_many_header_fields_are_refused(server):
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(150)) + b"\r\n"
+    reply = _exchange(server.port, head)
+    assert reply.startswith(b"HTTP/1.1 431") and b"more than 100 header fields" in reply
+
+
+def test_a_long_body_is_not_taken_for_a_long_head(server):
+    body = orjson.dumps({"prompt": " hello" * 6000, "max_tokens": 1})  # head + body in one packet, over the head cap
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    reply = _exchange(server.port, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_idle_and_slowloris_connections_are_closed_on_time(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as idle, socket.create_connection(
+        ("127.0.0.1", server.port)
+    ) as slow:
+        start = time.monotonic()
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        for s in (idle, slow):
+            s.settimeout(10)
+        slow.sendall(b"X-1: 1\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 408")
+        assert slow.recv(4096).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - start < 5  # the 1 s header timeout, not a minute
+        assert idle.recv(4096) == b"" and slow.recv(4096) == b""  # closed
+
+
+def test_a_kept_alive_connection_serves_request_after_request(server):
+    with httpx.Client(base_url=server.url) as http:
+        for _ in range(3):
+            assert http.get("/healthz").status_code == 200
+            time.sleep(0.4)  # within the keep-alive and header timeouts, three times over the header timeout in all
+
+
+def test_one_client_cannot_take_every_connection(server):
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(45)]
+    try:
+        answers = []
+        for s in held:
+            s.settimeout(5)
+            answers.append(s.recv(4096)[:12])
+        # over the 40 allowed: refused at once; the rest sent nothing and time out
+        assert answers.count(b"HTTP/1.1 503") == 5 and answers.count(b"HTTP/1.1 408") == 40
+    finally:
+        for s in held:
+            s.close()
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_deep_json_is_refused_with_a_400_naming_the_limit(server):
+    for field in ("metadata", "suffix", "functions"):
+        body = {"prompt": "hi", "max_tokens": 1, field: _nested(300)}
+        r = httpx.post(server.url + "/v1/completions", json=None, content=_deep_text(body))
+        assert r.status_code == 400 and f"deeper than {MAX_JSON_DEPTH}" in r.json()["error"]["message"], field
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "metadata": _nested(40)})
+    assert r.status_code != 500
+
+
+def _deep_text(body: dict) -> bytes:
+    """JSON nested past what orjson.dumps writes (255), built as text."""
+    *outer, (field, inner) = body.items()
+    depth = 0
+    while isinstance(inner, dict):
+        inner, depth = inner["a"], depth + 1
+    text = b'{"a":' * depth + b"1" + b"}" * depth
+    head = orjson.dumps(dict(outer))[:-1]
+    return head + b',"' + field.encode() + b'":' + text + b"}"
+
+
+async def test_a_frame_that_cannot_be_echoed_spares_the_sockets_other_generations(server):
+    async with connect(server.ws_url) as ws:
+        for i in range(3):
+            await send(ws, type="generate", id=f"g{i}", prompt="hi", max_tokens=40, ignore_eos=True)
+        deep = '{"type":"cancel","id":' + '{"a":' * 260 + "1" + "}" * 260 + "}"
+        await ws.send(deep)
+        await ws.send(orjson.dumps({"type": "cancel", "id": _nested(40)}).decode())
+        await ws.send(orjson.dumps({"type": "x" * 500_000}).decode())
+        await send(ws, type="ping")
+        done, errors, pong = set(), [], False
+        while len(done) < 3 or not pong:
+            f = await recv(ws)
+            done |= {f["id"]} if f["type"] == "done" else set()
+            errors += [f] if f["type"] == "error" else []
+            pong |= f["type"] == "pong"
+    assert done == {"g0", "g1", "g2"}
+    assert len(errors) == 3 and all(e["type"] == "error" and e["id"] is None for e in errors)
+    assert all(len(orjson.dumps(e)) < 300 for e in errors)  # nothing echoed back at length
+
+
+async def test_an_auth_frame_never_vouches_for_a_wrong_key():
+    srv = sim_server(settings=GatewaySettings(api_keys=("k1", "k2")))
+    keyless = sim_server()
+    try:
+        async with connect(srv.ws_url, additional_headers={"Authorization": "Bearer k1"}) as ws:
+            await send(ws, type="auth", api_key="wrong")
+            assert (await recv(ws))["code"] == "unauthorized"
+            await send(ws, type="auth", api_key="k2")  # a real key, not this socket's
+            assert (await recv(ws))["code"] == "unauthorized"
+            await send(ws, type="auth", api_key="k1")
+            assert (await recv(ws))["type"] == "authenticated"
+        async with connect(keyless.ws_url) as ws:
+            await send(ws, type="auth", api_key="anything")
+            assert (await recv(ws))["code"] == "invalid_request"
+        two = [("Authorization", "Bearer wrong"), ("Authorization", "Bearer k1")]
+        for headers in (two, two[::-1]):
+            r = httpx.get(srv.url + "/v1/models", headers=httpx.Headers(headers))
+            assert r.status_code == 401
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+    finally:
+        srv.stop()
+        keyless.stop()
