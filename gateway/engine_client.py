@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -36,6 +36,7 @@ from gateway.tools import template_messages
 from gateway.tracing import Tracing
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 class EngineClient:
@@ -73,6 +74,7 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._unstarted: set[str] = set()  # accepted, no first token yet
         self._tokenizing = 0  # accepted, still being tokenized
+        self._tokenizers = anyio.CapacityLimiter(settings.tokenizer_threads)
         rate = settings.key_token_rate
         self.rate_limit = TokenRateLimit(rate, settings.key_token_burst_s) if rate > 0 else None
         self._ids = itertools.count()
@@ -137,6 +139,20 @@ class EngineClient:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
+    async def tokenize(self, work: Callable[[], T]) -> T:
+        """Chat templates and tokenization, for generations and ``/tokenize``
+        alike: admitted against ``max_waiting`` (the work counts as waiting from
+        here, so a burst cannot all slip in while tokenizing), then run in a
+        worker thread, ``tokenizer_threads`` at a time, so the event loop and
+        the step thread keep their cores."""
+        if len(self._unstarted) + self._tokenizing >= self.settings.max_waiting:
+            raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
+        self._tokenizing += 1
+        try:
+            return await anyio.to_thread.run_sync(work, limiter=self._tokenizers)
+        finally:
+            self._tokenizing -= 1
+
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
             tok, tools = self.tokenizer, req.tools
@@ -168,14 +184,7 @@ class EngineClient:
             raise ProtocolError("overloaded", "server is shutting down")
         if self.rate_limit is not None and (wait_s := self.rate_limit.retry_after_s(req.tenant)):
             raise ProtocolError("overloaded", f"token rate limit of this API key; retry in {wait_s} s", None, wait_s)
-        # a request counts as waiting from here: a burst cannot all slip in while tokenizing
-        if len(self._unstarted) + self._tokenizing >= self.settings.max_waiting:
-            raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
-        self._tokenizing += 1
-        try:
-            ids = await anyio.to_thread.run_sync(self._tokenize, req)
-        finally:
-            self._tokenizing -= 1
+        ids = await self.tokenize(lambda: self._tokenize(req))
         sampling = req.sampling
         limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:

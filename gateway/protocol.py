@@ -32,6 +32,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_ID_CHARS = 128
+MAX_MESSAGES = 1024  # per chat request: rendering 33,000 empty messages cost seconds of CPU
 MAX_JSON_DEPTH = 64  # nesting of a body or frame; deeper is refused before any field is read
 
 
@@ -138,6 +139,8 @@ def messages_field(value: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages, text only, as role/content dicts."""
     if not isinstance(value, list) or not value:
         raise ProtocolError("invalid_request", "messages must be a non-empty list", param="messages")
+    if len(value) > MAX_MESSAGES:  # before the chat template renders them all
+        raise ProtocolError("invalid_request", f"at most {MAX_MESSAGES} messages", param="messages")
     out = []
     for m in value:
         if not isinstance(m, dict) or m.get("role") not in ROLES:

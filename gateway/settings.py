@@ -10,6 +10,7 @@ class GatewaySettings:
     # admission control
     max_waiting: int = 256  # requests accepted but without a first token yet; more -> overloaded (429)
     max_generations_per_connection: int = 32  # concurrent ids on one WebSocket
+    tokenizer_threads: int = 1  # chat templates and tokenization running at once (the rest wait, counted as waiting)
     key_token_rate: float = 0.0  # tokens/s each API key may use (prompt + generated); 0: no limit
     key_token_burst_s: float = 10.0  # a key's bucket holds this many seconds of its rate
     # input size limits

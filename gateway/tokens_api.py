@@ -11,7 +11,6 @@ chat request would cost.
 
 from __future__ import annotations
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -38,7 +37,7 @@ async def tokenize(request: Request) -> Response:
         def encode() -> list[int]:
             return tok.encode(tok.render_chat(chat) if chat is not None else prompt or "")
 
-        ids = await anyio.to_thread.run_sync(encode)
+        ids = await client.tokenize(encode)
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
     except Exception as exc:  # a template that fails on these messages is the caller's input
@@ -64,7 +63,10 @@ async def detokenize(request: Request) -> Response:
             )
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
-    text = await anyio.to_thread.run_sync(client.tokenizer.decode, ids)
+    try:
+        text = await client.tokenize(lambda: client.tokenizer.decode(ids))
+    except ProtocolError as exc:
+        return error_response(exc.code, exc.message, param=exc.param)
     return JSONResponse({"prompt": text})
 
 

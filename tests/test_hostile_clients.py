@@ -4,6 +4,7 @@ connection counts, deep JSON, frames that cannot be echoed, auth frames."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -12,7 +13,7 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
-from gateway.protocol import MAX_JSON_DEPTH
+from gateway.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
 from gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.test_gateway_ws import recv, send
@@ -170,3 +171,23 @@ async def test_an_auth_frame_never_vouches_for_a_wrong_key():
     finally:
         srv.stop()
         keyless.stop()
+
+
+async def test_tokenize_goes_through_admission():
+    srv = sim_server(settings=GatewaySettings(max_waiting=4))
+    try:
+        body = {"prompt": "lorem ipsum dolor " * 50_000}  # 900 kB
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            replies = await asyncio.gather(*(http.post("/tokenize", json=body) for _ in range(16)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes.count(429) >= 8 and set(codes) == {200, 429}  # at most 4 waiting at once, one encoding
+        assert all(r.json()["error"]["code"] == "overloaded" for r in replies if r.status_code == 429)
+    finally:
+        srv.stop()
+
+
+def test_a_chat_of_too_many_messages_is_refused_before_its_template(server):
+    body = {"messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", path
