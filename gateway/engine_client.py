@@ -185,6 +185,9 @@ class EngineClient:
         if self.rate_limit is not None and (wait_s := self.rate_limit.retry_after_s(req.tenant)):
             raise ProtocolError("overloaded", f"token rate limit of this API key; retry in {wait_s} s", None, wait_s)
         ids = await self.tokenize(lambda: self._tokenize(req))
+        if self.rate_limit is not None and (wait_s := self.rate_limit.reserve(req.tenant, len(ids))):
+            why = f"token rate limit of this API key: {len(ids)} prompt tokens; retry in {wait_s} s"
+            raise ProtocolError("overloaded", why, None, wait_s)
         sampling = req.sampling
         limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:
@@ -203,9 +206,9 @@ class EngineClient:
                 for stream in streams:
                     self.cancel(stream.request_id)
                     stream.close()
+                if self.rate_limit is not None:  # nothing ran: the prompt's tokens go back
+                    self.rate_limit.charge(req.tenant, -len(ids))
                 raise
-        if self.rate_limit is not None:
-            self.rate_limit.charge(req.tenant, len(ids))
         return streams, len(ids)
 
     def _queue(self, request: Request, req: GenerateRequest) -> RequestStream:

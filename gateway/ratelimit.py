@@ -1,9 +1,12 @@
 """Per-tenant token-rate limits: one token bucket per API key.
 
 A request is refused (429 ``overloaded`` with ``Retry-After``) while its
-key's bucket is empty; prompt tokens are charged when a request is accepted
-and generated tokens when it finishes, so a key may briefly run into debt
-and then waits it off. The bucket holds ``burst_s`` seconds of tokens.
+key's bucket is empty, and, once tokenized, unless the bucket holds its
+prompt: the prompt's tokens are taken in the same step as the check, so
+concurrent requests cannot all pass one check before any is charged (a
+prompt larger than the whole bucket needs a full one). Generated tokens are
+charged when a request finishes, so a key may briefly run into debt and
+then waits it off. The bucket holds ``burst_s`` seconds of tokens.
 """
 
 from __future__ import annotations
@@ -38,3 +41,13 @@ class TokenRateLimit:
 
     def charge(self, tenant: str, tokens: int, now: float | None = None) -> None:
         self._bucket(tenant, time.monotonic() if now is None else now).level -= tokens
+
+    def reserve(self, tenant: str, tokens: int, now: float | None = None) -> int:
+        """Take a prompt's tokens if the bucket holds them (0), else take nothing
+        and return whole seconds until it will."""
+        b = self._bucket(tenant, time.monotonic() if now is None else now)
+        need = min(tokens, self.capacity)
+        if b.level >= need:
+            b.level -= tokens
+            return 0
+        return max(1, math.ceil((need - b.level) / self.rate))

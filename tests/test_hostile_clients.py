@@ -5,6 +5,7 @@ connection counts, deep JSON, frames that cannot be echoed, auth frames."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -14,6 +15,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from gateway.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
+from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.test_gateway_ws import recv, send
@@ -30,16 +32,12 @@ def _exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
     """Send data on a fresh connection and read until the server closes it."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(timeout)
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before it read everything
             sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):  # refused before it read everything
-            pass
         reply = b""
-        try:
+        with contextlib.suppress(ConnectionResetError):
             while chunk := sock.recv(65536):
                 reply += chunk
-        except ConnectionResetError:
-            pass
     return reply
 
 
@@ -73,9 +71,10 @@ def test_a_long_body_is_not_taken_for_a_long_head(server):
 
 
 def test_idle_and_slowloris_connections_are_closed_on_time(server):
-    with socket.create_connection(("127.0.0.1", server.port)) as idle, socket.create_connection(
-        ("127.0.0.1", server.port)
-    ) as slow:
+    with (
+        socket.create_connection(("127.0.0.1", server.port)) as idle,
+        socket.create_connection(("127.0.0.1", server.port)) as slow,
+    ):
         start = time.monotonic()
         slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         for s in (idle, slow):
@@ -191,3 +190,26 @@ def test_a_chat_of_too_many_messages_is_refused_before_its_template(server):
     for path in ("/v1/chat/completions", "/tokenize"):
         r = httpx.post(server.url + path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", path
+
+
+async def test_the_token_rate_holds_under_concurrency():
+    settings = GatewaySettings(api_keys=("k",), key_token_rate=50.0)  # a 500-token bucket
+    srv = sim_server(settings=settings)
+    try:
+        body = {"prompt": " hello" * 400, "max_tokens": 1}  # 400 tokens: one fits the bucket, two do not
+        headers = {"Authorization": "Bearer k"}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=headers) as http:
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
+        assert sorted(r.status_code for r in replies) == [200] + [429] * 7
+        srv.client.rate_limit = TokenRateLimit(50.0)  # a full bucket again
+        async with connect(srv.ws_url, additional_headers=headers) as ws:
+            for i in range(8):
+                await send(ws, type="generate", id=f"g{i}", prompt=" hello" * 400, max_tokens=1)
+            ends = {}
+            while len(ends) < 8:
+                f = await recv(ws)
+                if f["type"] in ("done", "error"):
+                    ends[f["id"]] = f.get("code", "done")
+        assert sorted(ends.values()) == ["done"] + ["overloaded"] * 7
+    finally:
+        srv.stop()
