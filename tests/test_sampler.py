@@ -179,3 +179,11 @@ def test_cuts_inside_the_candidates_never_sort_the_whole_vocabulary(monkeypatch)
     logits = torch.randn(8, 50_000) * 4
     params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=50)] * 4
     assert len(sample(logits, params, [0] * 8)) == 8
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 1e-6])
+def test_a_tiny_temperature_samples_greedily(temperature):
+    """Inside the accepted range, yet logits / 1e-38 overflow: the draw must still be the argmax."""
+    logits = torch.randn(4, 49152) * 8
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(4)]
+    assert sample(logits, params, [0] * 4) == logits.argmax(dim=-1).tolist()

@@ -123,7 +123,7 @@ CANDIDATES = (64, 1024)
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
     """logits: [rows, vocab] float32; steps: tokens each request has generated so far."""
     faults.point("sample")
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return _greedy(logits).tolist()
     dev = logits.device

@@ -33,6 +33,9 @@ class FinishReason(StrEnum):
     SLOW_CONSUMER = "slow_consumer"  # the gateway cut it off: its client read too slowly
 
 
+MIN_TEMPERATURE = 1e-4  # temperatures below it sample greedily (0 included)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What the caller asked for; validated before a request reaches the engine."""
@@ -56,6 +59,13 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     logprobs: int | None = None  # return each token's log-probability and this many alternatives
     grammar: str | None = None  # llguidance grammar the output must follow (response_format)
+
+    @property
+    def greedy(self) -> bool:
+        """Below MIN_TEMPERATURE the draw is the argmax: logits / 1e-38 overflow
+        to inf and the softmax to NaN (it drew '66666666'), and long before
+        that the distribution is one-hot to float precision."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def uses_history(self) -> bool:
