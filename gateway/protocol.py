@@ -121,12 +121,14 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         )
     pairs = []
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
+        # canonical decimal only: int() also reads "١٢", "1_2", " 12" and "012",
+        # so two keys could name one token and their biases add past ±100
+        if not (key == "0" or (key[:1] in "123456789" and key.isascii() and key.isdigit() and len(key) <= 9)):
+            shown = key if len(key) <= 20 else key[:20] + "..."
             raise ProtocolError(
-                "invalid_request", f"logit_bias key {key!r} is not a token id", param="logit_bias"
-            ) from None
+                "invalid_request", f"logit_bias key {shown!r} is not a token id in decimal", param="logit_bias"
+            )
+        token = int(key)
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise ProtocolError(
                 "invalid_request", "logit_bias values must be numbers in [-100, 100]", param="logit_bias"

@@ -213,3 +213,16 @@ async def test_the_token_rate_holds_under_concurrency():
         assert sorted(ends.values()) == ["done"] + ["overloaded"] * 7
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("key", ["١٢", "1_2", "012", " 12", "+12", "12.0", "", "9" * 30])
+def test_logit_bias_keys_are_decimal_token_ids_only(server, key):
+    body = {"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 5}}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert len(r.text) < 400  # a long key is not echoed whole
+
+
+def test_canonical_logit_bias_keys_still_work(server):
+    body = {"prompt": "hi", "max_tokens": 1, "logit_bias": {"0": 5, "12": -5}}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
