@@ -244,8 +244,12 @@ class _Shape:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tools is not None:
-                forced = forced_call(text) if self.tools.forced else None
-                text, calls = ("", [forced]) if forced is not None else read_calls(text)
+                if self.tools.forced:  # the reply is the call; cut short (length), it is no call and no text
+                    forced = forced_call(text)
+                    text, calls = "", [forced] if forced is not None else []
+                    message["content"] = None
+                else:
+                    text, calls = read_calls(text)
                 if calls:
                     message = {"role": "assistant", "content": text or None}
                     message["tool_calls"] = [self.call_json(i, c) for i, c in enumerate(calls)]
@@ -377,7 +381,7 @@ async def _respond(
                     if (call := calls[i]) is not None:  # a forced call: streamed as it is generated
                         for chunk in shape.call_stream_chunks(call, item.text, finish is not None):
                             yield _event(chunk)
-                        if finish is not None and call.name is not None:
+                        if finish == "stop" and call.name is not None:  # cut by max_tokens, it stays "length"
                             finish = "tool_calls"
                         if finish or logprobs:
                             yield _event(shape.chunk("", finish, logprobs=logprobs))

@@ -16,6 +16,8 @@ from typing import Any
 
 import llguidance
 
+from gateway.finite_schema import has_finite_instance
+
 MAX_SCHEMA_CHARS = 64 * 1024
 
 
@@ -45,4 +47,6 @@ def grammar_of(response_format: Any) -> str | None:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"not a usable JSON Schema: {error}")
+    if not has_finite_instance(schema):
+        raise ValueError("the schema has no finite instance (a $ref cycle or a property that requires itself)")
     return grammar

@@ -24,6 +24,8 @@ from typing import Any
 
 import llguidance
 
+from gateway.finite_schema import has_finite_instance
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3 may open a call with it
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -54,8 +56,11 @@ def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError('tools: each is {"type": "function", "function": {"name", "description", "parameters"}}')
         parameters = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise ValueError(f"tools: parameters of {fn['name']} must be a JSON Schema object")
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            # OpenAI's arguments are an object: a schema of anything else made them a bare string or number
+            raise ValueError(f'tools: parameters of {fn["name"]} must be a JSON Schema of type "object"')
+        if not has_finite_instance(parameters):
+            raise ValueError(f"tools: parameters of {fn['name']} have no finite instance (a $ref cycle?)")
         functions.append(
             {"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": parameters}
         )

@@ -58,6 +58,10 @@ def test_json_object_streamed_and_over_the_websocket(tiny):
     assert "".join(f["text"] for f in frames if f["type"] == "token") == text  # same greedy path
 
 
+def _schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "why"),
@@ -67,6 +71,8 @@ def test_json_object_streamed_and_over_the_websocket(tiny):
         ({"type": "json_schema", "json_schema": {"name": "t"}}, "schema object"),
         ({"type": "xml"}, "type must be"),
         ("json", "type must be"),
+        (_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}), "finite"),
+        (_schema({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}), "finite"),
     ],
 )
 def test_a_schema_that_cannot_be_enforced_is_refused(tiny, fmt, why):

@@ -27,6 +27,7 @@ TIME = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
 }
+NESTED = {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -117,6 +118,8 @@ def test_bad_tools_are_refused_by_name(tiny):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [_tool("count", {"type": "integer"})], "tool_choice": "required"}, "tools"),  # not an object
+        ({"tools": [_tool("nest", NESTED)]}, "tools"),  # no finite instance
     ]
     for extra, param in cases:
         r = httpx.post(tiny.url + "/v1/chat/completions", json={"messages": MESSAGES, **extra}, timeout=10)
@@ -155,3 +158,22 @@ def test_a_forced_call_streams_its_arguments_and_holds_back_the_closing():
     assert names == ["get_weather"] and "".join(got) == '{"city":"Paris","unit":"c"}'
     assert forced_call(text).arguments == "".join(got)
     assert forced_call(text[:-3]) is None  # cut short: no call
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_ends_as_length_without_its_markup(tiny, stream):
+    ask = dict(model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=6, temperature=0)
+    if not stream:
+        c = client(tiny).chat.completions.create(**ask).choices[0]
+        assert c.finish_reason == "length" and not c.message.content and not c.message.tool_calls
+        return
+    content, finish = "", None
+    for chunk in client(tiny).chat.completions.create(**ask, stream=True):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and "<tool_call>" not in content
