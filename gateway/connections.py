@@ -52,6 +52,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._num_headers = 0
         self._in_head = True
+        self._tail = b""  # the last bytes read, for a head's end split across two reads
         self._refusal: tuple[int, str] | None = None
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(s.header_timeout_s, self._head_timed_out)
         host = self.client[0] if self.client else None
@@ -67,28 +68,22 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return
-        limit = self.config.settings.max_header_bytes
-        if not self._in_head or self._head_bytes + len(data) <= limit:
-            self._head_bytes += len(data) if self._in_head else 0
-            super().data_received(data)
-            return
-        # the head may end inside this piece: parse up to the limit, then see
-        allowed = limit - self._head_bytes
-        self._head_bytes = limit
-        super().data_received(data[:allowed])
-        if self._refusal is not None or self.transport.is_closing():
-            return
         if self._in_head:
-            self._refuse(431, f"request line and headers over {limit} bytes")
-            return
-        rest = data[allowed:]
-        protocol = self.transport.get_protocol()  # the WebSocket protocol, if this was an upgrade
-        protocol.data_received(rest) if protocol is not self else self.data_received(rest)
+            # a head that does not end in this read counts whole; one that does is
+            # let through, so a head is cut within the cap plus one read (64 KiB)
+            if (self._tail + data).find(b"\r\n\r\n") < 0:
+                self._head_bytes += len(data)
+                if self._head_bytes > self.config.settings.max_header_bytes:
+                    self._refuse(431, f"request line and headers over {self.config.settings.max_header_bytes} bytes")
+                    return
+            self._tail = data[-3:]
+        super().data_received(data)
 
     # parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._num_headers = 0
+        self._head_bytes = 0
         if self._head_timer is None:  # the next request on a kept-alive connection
             self._head_timer = self.loop.call_later(self.config.settings.header_timeout_s, self._head_timed_out)
 
@@ -107,7 +102,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head = True  # what comes next on this connection is another request's head
-        self._head_bytes = 0
 
     def send_400_response(self, msg: str) -> None:
         if self._refusal is not None:  # a limit stopped the parser: say which

@@ -48,6 +48,9 @@ def error_response(code: str, message: str, retry_after_s: int = 0, param: str |
 async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
     """The body as a JSON object: at most ``limit`` bytes, all of it within
     ``timeout_s`` (a client trickling its body cannot hold a slot forever)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused now, not after waiting for what it promised
+        raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
     body = b""
     with anyio.move_on_after(timeout_s) as scope:
         async for chunk in request.stream():

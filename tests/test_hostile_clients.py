@@ -236,3 +236,56 @@ def test_special_tokens_in_user_text_are_control_tokens_as_documented(server):
     forged = httpx.post(server.url + "/tokenize", json=typed).json()
     im_start = plain["tokens"][0]  # the template opens every turn with it
     assert forged["tokens"].count(im_start) == plain["tokens"].count(im_start) + 1
+
+
+# five more attacks of our own, in the same spirit
+
+
+async def test_a_ping_flood_does_not_stall_a_neighbours_stream(server):
+    async with connect(server.ws_url) as user, connect(server.ws_url) as flood:
+        await send(user, type="generate", id="u", prompt="hi", max_tokens=50, ignore_eos=True)
+        await flood.send("\n".join(['{"type":"ping"}'] * 1))  # warm
+        for _ in range(5000):
+            await flood.send('{"type":"ping"}')
+        tokens = 0
+        while (f := await recv(user))["type"] != "done":
+            tokens += f["type"] == "token"
+        pongs = 0
+        while pongs < 5001:
+            pongs += (await recv(flood))["type"] == "pong"
+    assert tokens > 0 and pongs == 5001
+
+
+async def test_abandoned_sockets_full_of_generations_give_their_kv_back(server):
+    for _ in range(3):
+        async with connect(server.ws_url) as ws:
+            for i in range(32):
+                await send(ws, type="generate", id=f"g{i}", prompt="hi " * 200, max_tokens=4000, ignore_eos=True)
+            while (await recv(ws))["type"] != "token":
+                pass
+        # closed mid-generation, without a cancel
+    assert server.wait_kv_baseline() == 0
+
+
+def test_a_pipelined_burst_on_one_connection_is_answered_in_order(server):
+    burst = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 500
+        + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    reply = _exchange(server.port, burst)
+    assert reply.count(b"HTTP/1.1 200") == 501
+
+
+def test_a_body_that_lies_about_its_length_is_refused_without_waiting_for_it(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    start = time.monotonic()
+    reply = _exchange(server.port, head + b"Content-Length: 1000000000\r\n\r\n" + b"{" * 1000)
+    assert reply.startswith(b"HTTP/1.1 400") and b"larger than" in reply
+    assert time.monotonic() - start < 5  # not the 30 s body timeout: the declared length alone is too big
+
+
+def test_lone_surrogates_and_nul_in_text_are_handled_without_a_500(server):
+    for prompt in (b'"\\ud800 hi"', b'"a\\u0000b"', b'"\\udfff"'):
+        body = b'{"prompt":' + prompt + b',"max_tokens":2}'
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400), (prompt, r.status_code, r.text[:200])
