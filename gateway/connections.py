@@ -18,7 +18,10 @@ process at its file limit. Here, before the parser sees a byte:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import resource
+import struct
+import termios
 from typing import Any
 
 import httptools
@@ -149,3 +152,19 @@ def raise_file_limit() -> tuple[int, int]:
         except (ValueError, OSError):
             return soft, soft
     return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+UNACKED_BYTES = "stallfree.unacked_bytes"  # scope extension: () -> bytes sent the client has not taken
+
+
+def unacked_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to the socket that the client's kernel has not acknowledged
+    (Linux SIOCOUTQ; 0 where unknown). It grows once the client stops reading
+    and its receive window fills, and shrinks only when it reads again."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0

@@ -64,9 +64,9 @@ def _kind_finite(kind: Any, s: dict[str, Any], finite_refs: set[str]) -> bool:
 
 
 def _object_finite(s: dict[str, Any], finite_refs: set[str]) -> bool:
-    props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+    props: dict[str, Any] = s["properties"] if isinstance(s.get("properties"), dict) else {}
     extra = s.get("additionalProperties", True)
-    required = s.get("required") if isinstance(s.get("required"), list) else []
+    required: list[Any] = s["required"] if isinstance(s.get("required"), list) else []
     return all(_finite(props.get(name, extra), finite_refs) for name in required)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from types import FrameType
+from typing import Any
 
 import orjson
 import structlog
@@ -21,7 +22,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import CloseCode, Frame, Opcode
 
 from gateway.app import create_app
-from gateway.connections import GatewayConfig
+from gateway.connections import UNACKED_BYTES, GatewayConfig, unacked_bytes
 from gateway.engine_client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -31,7 +32,15 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, plus: a frame over the protocol's
     size cap (4x ``max_frame_bytes``; frames between the two get an error and
     the socket stays open) gets an ``invalid_request`` error frame before the
-    1009 close, so the client learns why."""
+    1009 close, so the client learns why; and the app can see how much the
+    client has not yet taken (``UNACKED_BYTES``)."""
+
+    def handle_connect(self, event: Any) -> None:
+        """Gives the app a probe of what the client has not taken (its slow-consumer check)."""
+        super().handle_connect(event)
+        if getattr(self, "scope", None) is not None:
+            extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
+            extensions[UNACKED_BYTES] = lambda: unacked_bytes(self.transport)
 
     def handle_parser_exception(self) -> None:
         closing = self.conn.close_sent

@@ -11,7 +11,8 @@ per generation), detokenizes synchronously and writes the frames.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,10 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from core.sched.request import FinishReason
 from core.sched.timings import request_timings
 from gateway.auth import tenant_of
+from gateway.connections import UNACKED_BYTES
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.protocol import ProtocolError, boolean, parse_generate, parse_json_object
@@ -55,6 +58,10 @@ class Connection:
         self.closed = False
         self._ready: dict[str, None] = {}  # generations with output to drain, in order
         self._wake = anyio.Event()
+        # the client's reading: bytes it has not taken, and when that last shrank
+        self._unacked: Callable[[], int] | None = ws.scope.get("extensions", {}).get(UNACKED_BYTES)
+        self._last_unacked = 0
+        self._taken_at = time.monotonic()
 
     async def send(self, frame: dict[str, Any]) -> None:
         if self.closed:
@@ -182,9 +189,31 @@ class Connection:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
+            if self._reader_stalled():
+                self._cut_off()
             ready, self._ready = self._ready, {}
             for gen_id in ready:
                 await self._drain(gen_id)
+
+    def _reader_stalled(self) -> bool:
+        """Has the client taken nothing for ``slow_consumer_s`` while frames wait
+        for it? Output that fits the sockets' buffers never blocks a send, so the
+        queue-based cut-off alone let a reader that never reads hold its KV."""
+        if self._unacked is None:
+            return False
+        unacked, now = self._unacked(), time.monotonic()
+        if unacked == 0 or unacked < self._last_unacked:
+            self._taken_at = now
+        self._last_unacked = unacked
+        return now - self._taken_at > self.settings.slow_consumer_s
+
+    def _cut_off(self) -> None:
+        for gen in self.gens.values():
+            if gen.stream is not None and not gen.stream.finished and gen.request_id is not None:
+                log.warning("slow_consumer", request_id=gen.request_id, unacked_bytes=self._last_unacked)
+                self.client.metrics.slow_consumers.inc()
+                gen.stream.fail(FinishReason.SLOW_CONSUMER)
+                self.client.cancel(gen.request_id)
 
     async def _drain(self, gen_id: str) -> None:
         gen = self.gens.get(gen_id)

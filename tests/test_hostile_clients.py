@@ -289,3 +289,25 @@ def test_lone_surrogates_and_nul_in_text_are_handled_without_a_500(server):
         body = b'{"prompt":' + prompt + b',"max_tokens":2}'
         r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code in (200, 400), (prompt, r.status_code, r.text[:200])
+
+
+async def test_a_reader_that_never_reads_is_cut_off_and_its_kv_freed():
+    """Its output fits the sockets' buffers, so no send ever blocks: the cut-off
+    watches what the client has not taken since its receive window filled (it
+    held 616 KV blocks for 50 s)."""
+    srv = sim_server(time_scale=1.0, settings=GatewaySettings(slow_consumer_s=1.0))
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: full after ~70 tokens
+        sock.connect(("127.0.0.1", srv.port))
+        async with connect(srv.ws_url, sock=sock, max_queue=1) as ws:  # the client library stops reading at once
+            await send(ws, type="generate", id="g", prompt="hi " * 300, max_tokens=8000, ignore_eos=True)
+            deadline = time.monotonic() + 30
+            while srv.kv_used() == 0 and time.monotonic() < deadline:  # admitted
+                await asyncio.sleep(0.05)
+            assert srv.kv_used() > 0
+            assert await asyncio.to_thread(srv.wait_kv_baseline, 30) == 0  # freed while the socket is open
+        text = httpx.get(srv.url + "/metrics").text
+        assert "stallfree_slow_consumer_cutoffs_total 1.0" in text
+    finally:
+        srv.stop()
