@@ -155,6 +155,7 @@ def raise_file_limit() -> tuple[int, int]:
 
 
 UNACKED_BYTES = "stallfree.unacked_bytes"  # scope extension: () -> bytes sent the client has not taken
+OPEN_GENERATIONS = "stallfree.open_generations"  # scope extension: the socket's running generations, by id
 
 
 def unacked_bytes(transport: asyncio.BaseTransport) -> int:

@@ -22,7 +22,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.frames import CloseCode, Frame, Opcode
 
 from gateway.app import create_app
-from gateway.connections import UNACKED_BYTES, GatewayConfig, unacked_bytes
+from gateway.connections import OPEN_GENERATIONS, UNACKED_BYTES, GatewayConfig, unacked_bytes
 from gateway.engine_client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -32,7 +32,8 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, plus: a frame over the protocol's
     size cap (4x ``max_frame_bytes``; frames between the two get an error and
     the socket stays open) gets an ``invalid_request`` error frame before the
-    1009 close, so the client learns why; and the app can see how much the
+    1009 close, so the client learns why, and so does each generation still
+    running on the socket (``OPEN_GENERATIONS``); the app can see how much the
     client has not yet taken (``UNACKED_BYTES``)."""
 
     def handle_connect(self, event: Any) -> None:
@@ -41,17 +42,17 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         if getattr(self, "scope", None) is not None:
             extensions: dict[str, Any] = self.scope["extensions"]  # type: ignore[assignment]
             extensions[UNACKED_BYTES] = lambda: unacked_bytes(self.transport)
+            self.open_generations: dict[str, Any] = {}  # filled by the app: id -> generation
+            extensions[OPEN_GENERATIONS] = self.open_generations
 
     def handle_parser_exception(self) -> None:
         closing = self.conn.close_sent
         if closing is not None and closing.code == CloseCode.MESSAGE_TOO_BIG:
-            error = {
-                "type": "error",
-                "id": None,
-                "code": "invalid_request",
-                "message": f"frame too large: {closing.reason}",
-            }
-            self.transport.write(Frame(Opcode.TEXT, orjson.dumps(error)).serialize(mask=False))
+            why = f"frame too large: {closing.reason}"
+            # the socket closes: each generation on it ends with an error, then the frame's own
+            for gen_id in [*getattr(self, "open_generations", {}), None]:
+                error = {"type": "error", "id": gen_id, "code": "invalid_request", "message": why}
+                self.transport.write(Frame(Opcode.TEXT, orjson.dumps(error)).serialize(mask=False))
         super().handle_parser_exception()
 
 

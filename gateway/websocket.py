@@ -24,7 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from core.sched.request import FinishReason
 from core.sched.timings import request_timings
 from gateway.auth import tenant_of
-from gateway.connections import UNACKED_BYTES
+from gateway.connections import OPEN_GENERATIONS, UNACKED_BYTES
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.protocol import ProtocolError, boolean, parse_generate, parse_json_object
@@ -53,7 +53,9 @@ class Connection:
         self.ws = ws
         self.client = client
         self.settings = client.settings
-        self.gens: dict[str, _Generation] = {}
+        # the running generations by id; the protocol's own dict, so that if it must close
+        # the socket it can end each of them with an error frame first
+        self.gens: dict[str, _Generation] = ws.scope.get("extensions", {}).get(OPEN_GENERATIONS, {})
         self.tenant = tenant  # the API key's id ("" without keys)
         self.closed = False
         self._ready: dict[str, None] = {}  # generations with output to drain, in order

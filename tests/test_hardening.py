@@ -236,9 +236,17 @@ async def test_an_oversized_frame_gets_an_error_frame_before_the_close():
             await ws.send(orjson.dumps({"type": "ping", "pad": "\u20ac" * 400}).decode())  # 424 characters, 1224 bytes
             f = await recv(ws)
             assert f["type"] == "error" and "larger than 1000" in f["message"]
-            await ws.send("y" * 5000)  # over the protocol's cap (4x): error frame, then 1009
-            f = await recv(ws)
-            assert f["type"] == "error" and f["code"] == "invalid_request" and "too large" in f["message"]
+            await send(ws, type="generate", id="running", prompt="hi", max_tokens=4000, ignore_eos=True)
+            while (await recv(ws))["type"] != "token":
+                pass
+            await ws.send("y" * 5000)  # over the protocol's cap (4x): an error per generation and the frame's, 1009
+            ends = {}
+            while len(ends) < 2:
+                f = await recv(ws)
+                if f["type"] == "error":
+                    ends[f["id"]] = f
+            assert all(f["code"] == "invalid_request" and "too large" in f["message"] for f in ends.values())
+            assert set(ends) == {"running", None}
             with pytest.raises(ConnectionClosed) as closed:
                 await recv(ws)
             assert closed.value.rcvd.code == 1009
