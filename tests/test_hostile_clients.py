@@ -278,10 +278,13 @@ def test_a_pipelined_burst_on_one_connection_is_answered_in_order(server):
 
 def test_a_body_that_lies_about_its_length_is_refused_without_waiting_for_it(server):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    start = time.monotonic()
-    reply = _exchange(server.port, head + b"Content-Length: 1000000000\r\n\r\n" + b"{" * 1000)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + b"Content-Length: 1000000000\r\n\r\n" + b"{" * 1000)
+        sock.settimeout(10)  # well before the 30 s body timeout: the declared length alone is refused
+        reply = b""
+        while b"larger than" not in reply and (chunk := sock.recv(4096)):
+            reply += chunk
     assert reply.startswith(b"HTTP/1.1 400") and b"larger than" in reply
-    assert time.monotonic() - start < 5  # not the 30 s body timeout: the declared length alone is too big
 
 
 def test_lone_surrogates_and_nul_in_text_are_handled_without_a_500(server):
