@@ -1,11 +1,13 @@
 """Tokenizer (GGUF and HF forms) and the streaming detokenizer."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.model.detokenizer import Detokenizer
 from core.model.export import export_hf_dir
 from core.model.loader import load_tiny
-from core.model.tokenizer import Tokenizer
+from core.model.tokenizer import Tokenizer, _pieces
 
 TEXTS = ["What is the capital of France?", "x = 12345 + 6.7", "Héllo wörld 你好 🎉\n\ttabs", "  spaces  "]
 
@@ -76,3 +78,17 @@ def test_detokenizer_stop_strings_across_tokens(tiny):
     text = "".join(held.push([i]) for i in tok.encode("no stop here")) + held.flush()
     assert text == "no stop here"
     assert not held.stopped
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.sampled_from([*"ab c\n\t19 éü中'!.", " ", "  ", "<|im_start|>", "'s"]), max_size=400).map("".join),
+    st.integers(1, 60),
+)
+def test_long_text_is_encoded_in_pieces_to_the_same_ids(tiny, unit, repeats):
+    """Long text goes through encode_batch (off the GIL) in pieces cut at single
+    spaces; the ids must be those of one whole encode."""
+    text = unit * repeats * 40  # up to ~1 MB, past PIECE_CHARS often
+    whole = tiny.tokenizer._tok.encode(text, add_special_tokens=False).ids
+    assert tiny.tokenizer.encode(text) == whole
+    assert "".join(_pieces(text)) == text
