@@ -222,7 +222,7 @@ def write(args: argparse.Namespace, phases: list[dict[str, Any]], rss: dict[str,
     lines = [
         "# Normal streams beside a hostile mixed load",
         "",
-        f"`{command}` on {describe(m)}, {path.stem[-10:]}; {STREAMS} WebSocket users streaming "
+        f"`{command}` on {describe(m)}, {time.strftime('%Y-%m-%d')}; {STREAMS} WebSocket users streaming "
         f"({'simulated runner' if args.sim else 'the embedded model, 1 thread'}); phases alternate.",
         "",
         "| phase | gaps | p50 ms | p99 ms | worst ms | normal generations | RSS after MB | /healthz |",
