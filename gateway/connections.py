@@ -31,6 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.settings import GatewaySettings
 
+LINGER_S = 2.0  # a refused connection's unread input is drained this long before the close
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
@@ -127,14 +128,21 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def _refuse(self, status: int, message: str) -> None:
-        """An error response in the API's shape, then close; nothing else is read."""
+        """An error response in the API's shape, then close. A head cut at the cap
+        is mid-send: our end is shut and what the client still sends is read and
+        dropped for LINGER_S before the close (closing on unread data resets the
+        connection, and the reset can destroy the 431 before the client reads it)."""
         self._refusal = (status, message)
         self._stop_head_timer()
         code = {408: "timeout", 431: "invalid_request", 503: "unavailable"}[status]
         body = orjson.dumps({"error": {"message": message, "type": code, "code": code}})
         head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
         self.transport.write(head % (status, REASONS[status], len(body)) + body)
-        self.transport.close()
+        if status == 431 and self.transport.can_write_eof():  # a client cut mid-send; others close at once
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
 
 
 def _count(connections: set[Any], host: str) -> int:
