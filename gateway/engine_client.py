@@ -238,6 +238,13 @@ class EngineClient:
         if request_id in self._streams:
             self.step_loop.abort(request_id)
 
+    def cut_off(self, request_id: str, **why: object) -> None:
+        """A reader too slow for its stream: it ends with ``slow_consumer``, its KV is freed."""
+        if request_id in self._streams:
+            log.warning("slow_consumer", request_id=request_id, **why)
+            self.metrics.slow_consumers.inc()
+            self._fail(request_id, FinishReason.SLOW_CONSUMER)
+
     # -- health --------------------------------------------------------------
     async def watchdog(self, period_s: float = 1.0) -> None:
         """Notices a step thread that died or an iteration that never ends."""
@@ -312,9 +319,7 @@ class EngineClient:
             return
         self._unstarted.discard(o.request_id)
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
-            log.warning("slow_consumer", request_id=o.request_id)
-            self.metrics.slow_consumers.inc()
-            self._fail(o.request_id, FinishReason.SLOW_CONSUMER)
+            self.cut_off(o.request_id)
         elif o.finish_reason is not None:
             del self._streams[o.request_id]
 

@@ -21,7 +21,6 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from core.sched.request import FinishReason
 from core.sched.timings import request_timings
 from gateway.auth import tenant_of
 from gateway.connections import OPEN_GENERATIONS, UNACKED_BYTES
@@ -34,6 +33,7 @@ from gateway.ws_auth import accept
 log = structlog.get_logger(__name__)
 
 TIMINGS = ("queue_wait_ms", "prefill_ms", "decode_ms", "ttft_ms", "e2e_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms")
+PROBE_S = 1.0  # how often a socket's unread bytes are looked at
 WS_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 
 
@@ -63,7 +63,7 @@ class Connection:
         # the client's reading: bytes it has not taken, and when that last shrank
         self._unacked: Callable[[], int] | None = ws.scope.get("extensions", {}).get(UNACKED_BYTES)
         self._last_unacked = 0
-        self._taken_at = time.monotonic()
+        self._taken_at = self._probe_at = time.monotonic()
 
     async def send(self, frame: dict[str, Any]) -> None:
         if self.closed:
@@ -201,9 +201,11 @@ class Connection:
         """Has the client taken nothing for ``slow_consumer_s`` while frames wait
         for it? Output that fits the sockets' buffers never blocks a send, so the
         queue-based cut-off alone let a reader that never reads hold its KV."""
-        if self._unacked is None:
+        now = time.monotonic()
+        if self._unacked is None or now < self._probe_at:
             return False
-        unacked, now = self._unacked(), time.monotonic()
+        self._probe_at = now + PROBE_S  # a syscall: not every iteration
+        unacked = self._unacked()
         if unacked == 0 or unacked < self._last_unacked:
             self._taken_at = now
         self._last_unacked = unacked
@@ -211,11 +213,8 @@ class Connection:
 
     def _cut_off(self) -> None:
         for gen in self.gens.values():
-            if gen.stream is not None and not gen.stream.finished and gen.request_id is not None:
-                log.warning("slow_consumer", request_id=gen.request_id, unacked_bytes=self._last_unacked)
-                self.client.metrics.slow_consumers.inc()
-                gen.stream.fail(FinishReason.SLOW_CONSUMER)
-                self.client.cancel(gen.request_id)
+            if gen.request_id is not None:
+                self.client.cut_off(gen.request_id, unacked_bytes=self._last_unacked)
 
     async def _drain(self, gen_id: str) -> None:
         gen = self.gens.get(gen_id)
