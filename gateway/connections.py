@@ -164,6 +164,7 @@ def raise_file_limit() -> tuple[int, int]:
 
 UNACKED_BYTES = "stallfree.unacked_bytes"  # scope extension: () -> bytes sent the client has not taken
 OPEN_GENERATIONS = "stallfree.open_generations"  # scope extension: the socket's running generations, by id
+SEND_FRAMES = "stallfree.send_frames"  # scope extension: async (list of text frames) -> one write to the socket
 
 
 def unacked_bytes(transport: asyncio.BaseTransport) -> int:

@@ -26,7 +26,7 @@ from core.sched.engine import Engine, EngineSnapshot, RequestOutput, RequestReje
 from core.sched.request import FinishReason, Request
 from core.sched.step_loop import StepLoop
 from gateway.metrics import Metrics
-from gateway.observers import Observer, RequestLog, TargetLog
+from gateway.observers import Emitted, Observer, RequestLog, TargetLog
 from gateway.protocol import GenerateRequest, ProtocolError
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
@@ -298,25 +298,30 @@ class EngineClient:
         self._observe(lambda obs: obs.on_counts(out.counts))
         if it is not None:
             self._observe(lambda obs: obs.on_iteration(it))
+        emitted: list[Emitted] = []
+        finished: list[tuple[Request, FinishReason]] = []
         for o in out.outputs:
             try:
-                self._deliver(o, emit_ns)
+                self._deliver(o, emit_ns, emitted)
             except Exception:  # one request's failure must not stall everybody's delivery
                 log.exception("fan_out_failed", request_id=o.request_id)
                 self._fail(o.request_id, FinishReason.ERROR)
+            if o.finish_reason is not None and o.request is not None:
+                finished.append((o.request, o.finish_reason))
+        if emitted:  # before the finishes, which free what observers hold per request
+            self._observe(lambda obs: obs.on_tokens(emitted))
+        for req, reason in finished:
+            self._finished(req, reason)
 
-    def _deliver(self, o: RequestOutput, emit_ns: int) -> None:
+    def _deliver(self, o: RequestOutput, emit_ns: int, emitted: list[Emitted]) -> None:
         faults.point("fan_out")
         stream = self._streams.get(o.request_id)
-        if stream is not None and o.new_token_ids:  # observed before the finish, which frees the request's state
-            gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
-            n = len(o.new_token_ids)
-            self._observe(lambda obs: obs.on_tokens(o.request_id, n, emit_ns, gap_ns, o.stalled))
-            stream.last_emit_ns = emit_ns
-        if o.finish_reason is not None and o.request is not None:
-            self._finished(o.request, o.finish_reason)
         if stream is None:
             return
+        if o.new_token_ids:
+            gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
+            emitted.append(Emitted(o.request_id, len(o.new_token_ids), emit_ns, gap_ns, o.stalled))
+            stream.last_emit_ns = emit_ns
         self._unstarted.discard(o.request_id)
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
             self.cut_off(o.request_id)

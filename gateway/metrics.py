@@ -22,7 +22,7 @@ from core.sched.config import CHUNKING_MODES
 from core.sched.engine import Counts
 from core.sched.request import FinishReason, Request
 from core.sched.timings import gaps_ns
-from gateway.observers import Observer
+from gateway.observers import Emitted, Observer
 
 LATENCY_BUCKETS = (
     0.001,
@@ -160,13 +160,13 @@ class Metrics(Observer):
             self.replica_kv.labels(s.replica).set(s.kv_utilization)
         self.replicas_reporting.set(len(stats))
 
-    def on_tokens(self, request_id: str, count: int, emit_ns: int, gap_ns: int | None, stalled: bool) -> None:
-        self.generation_tokens.inc(count)
-        if gap_ns is not None:
-            gap_s = gap_ns / 1e9
-            for _ in range(count):  # tokens of one iteration arrive together; the first carries the gap
-                self.itl.observe(gap_s)
-                gap_s = 0.0
+    def on_tokens(self, emitted: list[Emitted]) -> None:
+        self.generation_tokens.inc(sum(e.num_tokens for e in emitted))
+        for e in emitted:
+            if e.gap_ns is not None:
+                self.itl.observe(e.gap_ns / 1e9)
+                for _ in range(e.num_tokens - 1):  # tokens of one iteration arrive together; the first carries the gap
+                    self.itl.observe(0.0)
 
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         tl = req.timeline

@@ -18,11 +18,13 @@ from typing import Any
 import orjson
 import structlog
 import uvicorn
+from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import CloseCode, Frame, Opcode
+from websockets.protocol import State
 
 from gateway.app import create_app
-from gateway.connections import OPEN_GENERATIONS, UNACKED_BYTES, GatewayConfig, unacked_bytes
+from gateway.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES, GatewayConfig, unacked_bytes
 from gateway.engine_client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -34,7 +36,8 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     the socket stays open) gets an ``invalid_request`` error frame before the
     1009 close, so the client learns why, and so does each generation still
     running on the socket (``OPEN_GENERATIONS``); the app can see how much the
-    client has not yet taken (``UNACKED_BYTES``)."""
+    client has not yet taken (``UNACKED_BYTES``) and write many frames at once
+    (``SEND_FRAMES``)."""
 
     def handle_connect(self, event: Any) -> None:
         """Gives the app a probe of what the client has not taken (its slow-consumer check)."""
@@ -44,6 +47,21 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
             extensions[UNACKED_BYTES] = lambda: unacked_bytes(self.transport)
             self.open_generations: dict[str, Any] = {}  # filled by the app: id -> generation
             extensions[OPEN_GENERATIONS] = self.open_generations
+            extensions[SEND_FRAMES] = self.send_frames
+
+    async def send_frames(self, frames: list[bytes]) -> None:
+        """Text frames (UTF-8 JSON) in one write: a connection's tokens of one
+        iteration cost one system call, not one per generation (at 1,000
+        streams, one write per frame was the gateway's largest cost). Server
+        frames are unmasked and unfragmented, so each is its RFC 6455 header
+        and the payload (a quarter of the cost of the protocol object's send)."""
+        await self.writable.wait()  # the transport's flow control, as for any ASGI send
+        if self.disconnected or self.close_sent or self.conn.state is not State.OPEN:
+            raise ClientDisconnected()
+        out: list[bytes] = []
+        for frame in frames:
+            out += (text_frame_header(len(frame)), frame)
+        self.transport.write(b"".join(out))
 
     def handle_parser_exception(self) -> None:
         closing = self.conn.close_sent
@@ -54,6 +72,15 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
                 error = {"type": "error", "id": gen_id, "code": "invalid_request", "message": why}
                 self.transport.write(Frame(Opcode.TEXT, orjson.dumps(error)).serialize(mask=False))
         super().handle_parser_exception()
+
+
+def text_frame_header(size: int) -> bytes:
+    """FIN + text opcode, then the payload length in 7, 7+16 or 7+64 bits (RFC 6455 5.2)."""
+    if size < 126:
+        return bytes((0x81, size))
+    if size < 1 << 16:
+        return b"\x81\x7e" + size.to_bytes(2, "big")
+    return b"\x81\x7f" + size.to_bytes(8, "big")
 
 
 class DrainingServer(uvicorn.Server):

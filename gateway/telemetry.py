@@ -17,7 +17,7 @@ from core.cluster.stats import ReplicaStats
 from core.sched.batch import IterationRecord
 from core.sched.request import FinishReason, Request
 from core.sched.timings import percentile
-from gateway.observers import Observer
+from gateway.observers import Emitted, Observer
 
 FRAMES_PER_S = 10
 MAX_SERIES = 12
@@ -57,18 +57,19 @@ class Telemetry(Observer):
                 ]
             )
 
-    def on_tokens(self, request_id: str, count: int, emit_ns: int, gap_ns: int | None, stalled: bool) -> None:
-        """The gap before these tokens; stalled: the iteration also ran another request's prefill chunk."""
-        if gap_ns is None:
-            return
-        gap_ms = gap_ns / 1e6
-        self._window.append((emit_ns, gap_ms))
-        slot = self._slots.get(request_id)
-        if slot is None and len(self._slots) < MAX_SERIES:
-            used = set(self._slots.values())
-            slot = self._slots[request_id] = next(i for i in range(MAX_SERIES) if i not in used)
-        if slot is not None and len(self._gaps) < MAX_PENDING:
-            self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stalled)])
+    def on_tokens(self, emitted: list[Emitted]) -> None:
+        """The gap before each request's tokens; stalled: the iteration also ran another request's prefill chunk."""
+        for request_id, _, emit_ns, gap_ns, stalled in emitted:
+            if gap_ns is None:
+                continue
+            gap_ms = gap_ns / 1e6
+            self._window.append((emit_ns, gap_ms))
+            slot = self._slots.get(request_id)
+            if slot is None and len(self._slots) < MAX_SERIES:
+                used = set(self._slots.values())
+                slot = self._slots[request_id] = next(i for i in range(MAX_SERIES) if i not in used)
+            if slot is not None and len(self._gaps) < MAX_PENDING:
+                self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stalled)])
 
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         self._slots.pop(req.request_id, None)

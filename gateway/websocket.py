@@ -6,13 +6,14 @@ A disconnect aborts every generation of the connection at once.
 
 One writer task per connection drains all of its generations' streams when
 any of them has output (one wake-up per connection per iteration, not one
-per generation), detokenizes synchronously and writes the frames.
+per generation), detokenizes synchronously and writes all the frames in one
+write to the socket where the server offers it (``SEND_FRAMES``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from core.sched.timings import request_timings
 from gateway.auth import tenant_of
-from gateway.connections import OPEN_GENERATIONS, UNACKED_BYTES
+from gateway.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker
 from gateway.protocol import ProtocolError, boolean, parse_generate, parse_json_object
@@ -55,35 +56,44 @@ class Connection:
         self.settings = client.settings
         # the running generations by id; the protocol's own dict, so that if it must close
         # the socket it can end each of them with an error frame first
-        self.gens: dict[str, _Generation] = ws.scope.get("extensions", {}).get(OPEN_GENERATIONS, {})
+        extensions = ws.scope.get("extensions", {})
+        self.gens: dict[str, _Generation] = extensions.get(OPEN_GENERATIONS, {})
         self.tenant = tenant  # the API key's id ("" without keys)
         self.closed = False
         self._ready: dict[str, None] = {}  # generations with output to drain, in order
         self._wake = anyio.Event()
         # the client's reading: bytes it has not taken, and when that last shrank
-        self._unacked: Callable[[], int] | None = ws.scope.get("extensions", {}).get(UNACKED_BYTES)
+        self._unacked: Callable[[], int] | None = extensions.get(UNACKED_BYTES)
+        self._send_frames: Callable[[list[bytes]], Awaitable[None]] | None = extensions.get(SEND_FRAMES)
         self._last_unacked = 0
         self._taken_at = self._probe_at = time.monotonic()
 
     async def send(self, frame: dict[str, Any]) -> None:
-        if self.closed:
+        out: list[bytes] = []
+        _encode(frame, out)
+        await self._write(out)
+
+    async def _write(self, frames: list[bytes]) -> None:
+        if self.closed or not frames:
             return
         try:
-            text = orjson.dumps(frame).decode()
-        except orjson.JSONEncodeError:  # a bug, not the client's: this frame is lost, the socket's others are not
-            log.exception("frame_not_encodable", type=frame.get("type"), id=_echo(frame.get("id")))
-            return
-        try:
-            await self.ws.send_text(text)
+            if self._send_frames is not None:
+                await self._send_frames(frames)
+            else:
+                for frame in frames:
+                    await self.ws.send_text(frame.decode())
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.closed = True  # the reader sees the disconnect and cleans up
 
     async def error(self, code: str, message: str, gen_id: str | None = None, retry_after_s: int = 0) -> None:
+        await self.send(self._error(code, message, gen_id, retry_after_s))
+
+    def _error(self, code: str, message: str, gen_id: str | None = None, retry_after_s: int = 0) -> dict[str, Any]:
         self.client.metrics.errors.labels(code).inc()
         frame: dict[str, Any] = {"type": "error", "id": gen_id, "code": code, "message": message}
         if retry_after_s:
             frame["retry_after_s"] = retry_after_s
-        await self.send(frame)
+        return frame
 
     async def run(self) -> None:
         try:
@@ -194,8 +204,10 @@ class Connection:
             if self._reader_stalled():
                 self._cut_off()
             ready, self._ready = self._ready, {}
+            out: list[bytes] = []
             for gen_id in ready:
-                await self._drain(gen_id)
+                self._drain(gen_id, out)
+            await self._write(out)
 
     def _reader_stalled(self) -> bool:
         """Has the client taken nothing for ``slow_consumer_s`` while frames wait
@@ -216,7 +228,9 @@ class Connection:
             if gen.request_id is not None:
                 self.client.cut_off(gen.request_id, unacked_bytes=self._last_unacked)
 
-    async def _drain(self, gen_id: str) -> None:
+    def _drain(self, gen_id: str, out: list[bytes]) -> None:
+        """Encode what the generation has produced onto ``out`` (nothing here awaits,
+        so frames from one wake-up go out together and in order)."""
         gen = self.gens.get(gen_id)
         if gen is None or gen.stream is None or gen.maker is None:
             return
@@ -225,26 +239,35 @@ class Connection:
                 piece = gen.maker.feed(delta)
             except ProtocolError as exc:
                 self.gens.pop(gen_id, None)
-                await self.error(exc.code, exc.message, gen_id)
+                _encode(self._error(exc.code, exc.message, gen_id), out)
                 return
             if piece is None:
                 continue
             if piece.token_ids or piece.text:
                 gen.sent_tokens += len(piece.token_ids)
-                out = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
-                out["token_ids"] = piece.token_ids
+                frame = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
+                frame["token_ids"] = piece.token_ids
                 if piece.logprobs is not None:
-                    out["logprobs"] = [
+                    frame["logprobs"] = [
                         {"token_id": t, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
                         for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)
                     ]
                 if gen.timestamps:  # the engine's perf_counter_ns when these tokens were produced
-                    out["emit_ns"] = piece.emit_ns
-                await self.send(out)
+                    frame["emit_ns"] = piece.emit_ns
+                _encode(frame, out)
             if piece.finish_reason is not None:
                 self.gens.pop(gen_id, None)
-                await self.send(_done(gen_id, piece, gen.prompt_tokens, gen.sent_tokens))
+                _encode(_done(gen_id, piece, gen.prompt_tokens, gen.sent_tokens), out)
                 return
+
+
+def _encode(frame: dict[str, Any], out: list[bytes]) -> None:
+    """Append the frame as JSON; one that cannot be encoded is a bug, not the
+    client's: it is logged and lost, and the socket's other frames are not."""
+    try:
+        out.append(orjson.dumps(frame))
+    except orjson.JSONEncodeError:
+        log.exception("frame_not_encodable", type=frame.get("type"), id=_echo(frame.get("id")))
 
 
 def _echo(gen_id: object) -> str | None:

@@ -12,7 +12,9 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
+from websockets.protocol import Protocol, Side, State
 
+from gateway.serve import text_frame_header
 from gateway.settings import GatewaySettings
 from tests.server import ServerProcess, sim_server, tiny_server
 
@@ -59,6 +61,16 @@ def check_stream(frames, max_tokens):
     t = done["timings"]
     assert t["queue_wait_ms"] + t["prefill_ms"] + t["decode_ms"] == pytest.approx(t["e2e_ms"], abs=0.01)
     assert t["max_gap_ms"] >= t["itl_p99_ms"] >= t["itl_p50_ms"] > 0
+
+
+def test_frames_written_together_parse_as_separate_text_frames():
+    """The writer's own frame headers, at each length encoding's edges, as a client reads them."""
+    sizes = [0, 1, 125, 126, 127, 65535, 65536, 70000]
+    client = Protocol(Side.CLIENT, state=State.OPEN, max_size=None)
+    client.receive_data(b"".join(text_frame_header(n) + bytes([65 + n % 26]) * n for n in sizes))
+    frames = client.events_received()
+    assert [(f.fin, len(f.data)) for f in frames] == [(True, n) for n in sizes]
+    assert all(f.data == bytes([65 + len(f.data) % 26]) * len(f.data) for f in frames)
 
 
 async def test_many_clients_multiplexed_ids(server):

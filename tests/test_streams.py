@@ -12,33 +12,49 @@ import pytest
 from websockets.asyncio.client import connect
 
 from core.sched.request import FinishReason
-from gateway.streams import RequestStream
+from gateway.streams import Delta, RequestStream
 from gateway.telemetry import MAX_SERIES
 from tests.server import sim_server
 from tests.test_gateway_ws import collect, recv, send
 
 
-async def test_overflow_coalesces_into_one_delta_in_order():
+def drain(s: RequestStream) -> list[Delta]:
+    got = []
+    while (d := s.get_nowait()) is not None:
+        got.append(d)
+    return got
+
+
+def test_overflow_coalesces_into_one_delta_in_order():
     s = RequestStream("r", capacity=2, slow_consumer_s=60)
     for i in range(6):
         assert s.put([i], emit_ns=i, finish_reason=None, request=None)
     assert s.put([6], emit_ns=6, finish_reason="length", request=None)
-    got = [await s.get() for _ in range(3)]
+    got = drain(s)
     assert [d.token_ids for d in got] == [[0], [1], [2, 3, 4, 5, 6]]
     assert [d.first_index for d in got] == [0, 1, 2]
     assert got[-1].finish_reason == "length" and got[-1].emit_ns == 6
 
 
-async def test_consumer_waiting_gets_tokens_as_they_come():
+async def test_a_consumer_woken_by_on_put_gets_tokens_as_they_come():
     s = RequestStream("r", capacity=4, slow_consumer_s=60)
     results = []
+    wake = anyio.Event()
+
+    def on_put() -> None:
+        wake.set()
+
+    s.on_put = on_put
 
     async def consume():
+        nonlocal wake
         while True:
-            d = await s.get()
-            results.append(d.token_ids)
-            if d.finish_reason:
-                return
+            await wake.wait()
+            wake = anyio.Event()
+            for d in drain(s):
+                results.append(d.token_ids)
+                if d.finish_reason:
+                    return
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
@@ -48,7 +64,7 @@ async def test_consumer_waiting_gets_tokens_as_they_come():
     assert [t for r in results for t in r] == list(range(10))
 
 
-async def test_hopelessly_behind_is_reported_then_failed():
+def test_hopelessly_behind_is_reported_then_failed():
     s = RequestStream("r", capacity=1, slow_consumer_s=0.05)
     assert s.put([0], 0, None, None)
     assert s.put([1], 1, None, None)  # starts the overflow clock
@@ -56,35 +72,35 @@ async def test_hopelessly_behind_is_reported_then_failed():
     time.sleep(0.06)
     assert not s.put([3], 3, None, None)  # unread for longer than slow_consumer_s
     s.fail(FinishReason.SLOW_CONSUMER)
-    assert (await s.get()).token_ids == [0]
-    last = await s.get()
+    first, last = drain(s)
+    assert first.token_ids == [0]
     assert last.finish_reason == FinishReason.SLOW_CONSUMER and last.token_ids == []
     assert s.put([4], 4, None, None)  # ignored once finished
+    assert s.get_nowait() is None
 
 
-async def test_fail_wakes_a_waiting_consumer():
+def test_a_consumer_that_catches_up_restarts_the_overflow_clock():
+    s = RequestStream("r", capacity=1, slow_consumer_s=0.05)
+    s.put([0], 0, None, None)
+    s.put([1], 1, None, None)  # overflow: the clock starts
+    time.sleep(0.06)
+    assert len(drain(s)) == 2  # caught up
+    s.put([2], 2, None, None)
+    s.put([3], 3, None, None)  # a new overflow, a new clock
+    assert s.put([4], 4, None, None)
+
+
+def test_fail_wakes_the_consumer():
     s = RequestStream("r", capacity=4, slow_consumer_s=60)
-    async with anyio.create_task_group() as tg:
-        got = []
-
-        async def consume():
-            got.append(await s.get())
-
-        tg.start_soon(consume)
-        await anyio.sleep(0.01)
-        s.fail(FinishReason.ABORT)
-    assert got[0].finish_reason == FinishReason.ABORT
-
-
-def open_ends(s: RequestStream) -> tuple[int, int]:
-    """(send, receive) ends of the stream's memory channel still open."""
-    stats = s._recv.statistics()
-    return stats.open_send_streams, stats.open_receive_streams
+    woken = []
+    s.on_put = lambda: woken.append(1)
+    s.fail(FinishReason.ABORT)
+    assert woken and drain(s)[0].finish_reason == FinishReason.ABORT
 
 
 @pytest.mark.parametrize("overflow", [False, True])
 @pytest.mark.parametrize("end", ["finish", "fail"])
-async def test_the_final_delta_closes_the_send_end_and_taking_it_the_receive_end(overflow, end):
+def test_the_final_delta_is_the_last_the_consumer_gets(overflow, end):
     s = RequestStream("r", capacity=2, slow_consumer_s=60)
     for i in range(5 if overflow else 1):
         s.put([i], i, None, None)
@@ -92,25 +108,22 @@ async def test_the_final_delta_closes_the_send_end_and_taking_it_the_receive_end
         s.put([9], 9, FinishReason.LENGTH, None)
     else:
         s.fail(FinishReason.ABORT)
-    assert open_ends(s) == (0, 1)
-    got = []
-    while (d := s.get_nowait()) is not None:  # after the send end closed: buffered, then the pending final
-        got.append(d)
-        if d.finish_reason is not None:
-            break
+    got = drain(s)
     assert got[-1].finish_reason == (FinishReason.LENGTH if end == "finish" else FinishReason.ABORT)
+    assert all(d.finish_reason is None for d in got[:-1])
     if end == "finish":
         assert [t for d in got for t in d.token_ids] == [*range(5 if overflow else 1), 9]
-    assert open_ends(s) == (0, 0)
+    s.put([10], 10, None, None)
+    assert s.get_nowait() is None
 
 
-async def test_a_consumer_that_gives_up_closes_both_ends_and_later_output_is_ignored():
+def test_a_consumer_that_gives_up_has_later_output_ignored():
     s = RequestStream("r", capacity=2, slow_consumer_s=60)
     s.put([0], 0, None, None)
     s.close()
-    assert open_ends(s) == (0, 0)
     assert s.put([1], 1, FinishReason.ABORT, None)  # the engine's abort arrives later: no error
     s.fail(FinishReason.ERROR)
+    assert s.get_nowait() is None
 
 
 def unclosed(record: list[warnings.WarningMessage]) -> list[str]:
