@@ -135,13 +135,18 @@ class BlockManager:
         """Prefix-hit length req would get if admitted now (for the lpm policy)."""
         return len(self._matched_blocks(req)) * self.block_size
 
-    def cache_computed(self, req: Request) -> None:
-        """Register req's full, computed blocks so later prompts can hit them."""
+    def cache_computed(self, req: Request, since_tokens: int = 0) -> None:
+        """Register req's full, computed blocks so later prompts can hit them.
+
+        since_tokens: tokens computed when this was last called for req; blocks
+        full by then were registered then (each step looks only at the blocks
+        it filled, not at the whole context). A block whose twin already held
+        its hash stays unregistered: the twin serves the hits."""
         if not self.enable_prefix_caching:
             return
         full = req.num_computed_tokens // self.block_size
         self._extend_hashes(req, full * self.block_size)
-        for i in range(full):
+        for i in range(since_tokens // self.block_size, full):
             block = self.blocks[req.block_ids[i]]
             if block.hash is not None:
                 continue

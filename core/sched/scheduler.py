@@ -426,7 +426,7 @@ class Scheduler:
                 tl.scheduled_ns = start_ns
             if item.is_prefill:
                 tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
-            self.kv.cache_computed(req)
+            self.kv.cache_computed(req, item.start)
             if item.samples:
                 token = next(tokens)
                 stalled = self._overlapped_prefill(req, batch.iteration)
