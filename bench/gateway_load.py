@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.gateway_load [--streams 100,250,500,1000]
         [--streams-per-connection 20] [--time-scales 1,0.1] [--seconds 10]
+        [--repeats N] [--baseline PATH]
 
 Starts ``stallfree serve --sim`` in its own process (so the model is not the
 bottleneck), opens the streams from this process, and records for every token
@@ -9,7 +10,10 @@ frame the delivery latency: client receive time minus the engine's emit time
 (``"timestamps": true`` puts the engine's perf_counter_ns in token frames;
 CLOCK_MONOTONIC is shared by processes on one machine). Smaller time scales
 make the simulated model faster, raising the token rate until the gateway is
-the bottleneck. Writes a new bench/results/gateway_load-<date>.{json,md}.
+the bottleneck. ``--baseline PATH`` runs the server of another checkout
+(``git worktree add PATH <rev>``) under the same load, alternating with this
+one's, for a before/after comparison on one noisy machine. Writes a new
+bench/results/gateway_load-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,16 +26,17 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 from websockets.asyncio.client import connect
 
-from bench.record import dated
-from bench.servers import start_stallfree, stop
+from bench.record import dated, describe, machine
+from bench.servers import ROOT, start_stallfree, stop
 from core.sched.timings import percentile
 
 
-def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int]:
+def start_server(time_scale: float, streams: int, checkout: Path) -> tuple[subprocess.Popen, int]:
     return start_stallfree(
         "--sim",
         "--sim-time-scale",
@@ -46,7 +51,18 @@ def start_server(time_scale: float, streams: int) -> tuple[subprocess.Popen, int
         "8",
         "--max-generations-per-connection",
         "1000",
+        checkout=checkout,
     )
+
+
+def revision(checkout: Path) -> str:
+    """The checkout's commit, marked if its tracked files have changed since."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True).stdout.strip()
+
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
 
 
 async def run_load(port: int, streams: int, connections: int, seconds: float) -> dict:
@@ -107,46 +123,53 @@ def main() -> None:
     ap.add_argument("--time-scales", default="1,0.1")
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--baseline", type=Path, help="another checkout whose server runs alternately with this one's")
     args = ap.parse_args()
+    servers = {revision(ROOT): ROOT}
+    if args.baseline is not None:
+        servers = {f"{revision(args.baseline)} (baseline)": args.baseline, **servers}
     rows = []
     for rep in range(args.repeats):
         for streams in [int(x) for x in args.streams.split(",")]:
             for scale in [float(x) for x in args.time_scales.split(",")]:
-                connections = max(1, streams // args.streams_per_connection)
-                proc, port = start_server(scale, streams)
-                try:
-                    result = asyncio.run(run_load(port, streams, connections, args.seconds))
-                finally:
-                    stop(proc)
-                rows.append(
-                    {"streams": streams, "connections": connections, "time_scale": scale, "repeat": rep, **result}
-                )
-                print(json.dumps(rows[-1]), file=sys.stderr)
+                for server, checkout in servers.items():
+                    connections = max(1, streams // args.streams_per_connection)
+                    proc, port = start_server(scale, streams, checkout)
+                    try:
+                        result = asyncio.run(run_load(port, streams, connections, args.seconds))
+                    finally:
+                        stop(proc)
+                    row = {"server": server, "streams": streams, "connections": connections, "time_scale": scale}
+                    rows.append({**row, "repeat": rep, **result})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
     command = "python -m bench.gateway_load " + " ".join(sys.argv[1:])
-    doc = {"command": command.strip(), "rows": rows}
+    doc = {"command": command.strip(), "machine": machine(), "rows": rows}
     base = dated("gateway_load")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     lines = [
         f"# Gateway load: WebSocket streams, {args.streams_per_connection} per connection (simulated runner)",
         "",
-        f"`{doc['command']}`; the load generator runs in a second process on the same 2 cores. Time scale 1 is",
-        "this CPU's real-model speed; 0.1 makes the simulated model 10x faster, so the gateway is the bottleneck.",
-        "Delivery latency: engine emit -> client receive, per token frame.",
+        f"`{doc['command']}`; {describe(doc['machine'])}. The load generator runs in a second process on the same",
+        "cores. Time scale 1 is this CPU's real-model speed; 0.1 makes the simulated model 10x faster, so the gateway",
+        "is the bottleneck. Delivery latency: engine emit (end of the forward pass) -> client receive, per token",
+        f"frame. Medians over {args.repeats} repeat(s), servers alternating; p99 range: lowest-highest repeat.",
         "",
-        "| streams | sim time scale | delivered tokens/s | delivery p50 ms | p99 ms | max ms |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| server | streams | sim time scale | delivered tokens/s | delivery p50 ms | p99 ms | p99 range | max ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     keys = sorted({(r["streams"], r["time_scale"]) for r in rows}, key=lambda k: (k[0], -k[1]))
     for streams, scale in keys:
-        rs = [r for r in rows if (r["streams"], r["time_scale"]) == (streams, scale)]
-        med = {
-            k: statistics.median(r[k] for r in rs)
-            for k in ("tokens_per_s", "latency_p50_ms", "latency_p99_ms", "latency_max_ms")
-        }
-        lines.append(
-            f"| {streams} | {scale:g} | {med['tokens_per_s']:.0f} | {med['latency_p50_ms']:.2f}"
-            f" | {med['latency_p99_ms']:.2f} | {med['latency_max_ms']:.1f} |"
-        )
+        for server in servers:
+            rs = [r for r in rows if (r["server"], r["streams"], r["time_scale"]) == (server, streams, scale)]
+            med = {
+                k: statistics.median(r[k] for r in rs)
+                for k in ("tokens_per_s", "latency_p50_ms", "latency_p99_ms", "latency_max_ms")
+            }
+            p99s = [r["latency_p99_ms"] for r in rs]
+            lines.append(
+                f"| {server} | {streams} | {scale:g} | {med['tokens_per_s']:.0f} | {med['latency_p50_ms']:.2f}"
+                f" | {med['latency_p99_ms']:.2f} | {min(p99s):.1f}-{max(p99s):.1f} | {med['latency_max_ms']:.1f} |"
+            )
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -37,14 +37,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
-def start_stallfree(*serve_args: str, log: Path | None = None) -> tuple[subprocess.Popen, int]:
-    """`stallfree serve` on a free port with these options, once it is ready."""
+def start_stallfree(*serve_args: str, log: Path | None = None, checkout: Path = ROOT) -> tuple[subprocess.Popen, int]:
+    """`stallfree serve` on a free port with these options, once it is ready;
+    checkout: the source tree to run it from (another one: a before/after comparison)."""
     port = free_port()
     cmd = [sys.executable, "-m", "cli", "--log-level", "warning", "serve", "--port", str(port), *serve_args]
     out = log.open("w") if log else None
     proc = subprocess.Popen(
         cmd,
-        cwd=ROOT,
+        cwd=checkout,
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
