@@ -100,7 +100,8 @@ async def raw_exchange(port: int, data: bytes, trickle_s: float = 0.0) -> str:
         writer.close()
 
 
-async def attacks(port: int, stop_at: float, seen: dict[str, collections.Counter[str]]) -> None:
+async def attacks(port: int, stop_at: float, seen: dict[str, collections.Counter[str]], crowd: float = 1.0) -> None:
+    """crowd scales the number of slowloris and idle clients (1: 200 and 1,000)."""
     base = f"http://127.0.0.1:{port}"
 
     async def repeat(name: str, make: Any) -> None:
@@ -143,8 +144,8 @@ async def attacks(port: int, stop_at: float, seen: dict[str, collections.Counter
             return "+".join(codes)
 
         tasks = [repeat("giant_header", giant_header) for _ in range(2)]
-        tasks += [repeat("slowloris", slowloris) for _ in range(200)]
-        tasks += [repeat("idle", idle) for _ in range(1000)]
+        tasks += [repeat("slowloris", slowloris) for _ in range(round(200 * crowd))]
+        tasks += [repeat("idle", idle) for _ in range(round(1000 * crowd))]
         tasks += [repeat("tokenize_flood", tokenize) for _ in range(16)]
         tasks += [repeat("many_messages", many_messages), repeat("deep_json", deep_json)]
         tasks += [repeat("bad_frames", bad_frames)]
@@ -161,7 +162,7 @@ async def health_probes(port: int, stop_at: float, seen: collections.Counter[str
             await asyncio.sleep(0.5)
 
 
-async def phase(port: int, hostile: bool, seconds: float) -> dict[str, Any]:
+async def phase(port: int, hostile: bool, seconds: float, crowd: float = 1.0) -> dict[str, Any]:
     stop_at = time.perf_counter() + seconds
     gaps: list[float] = []
     ends: collections.Counter[str] = collections.Counter()
@@ -170,7 +171,7 @@ async def phase(port: int, hostile: bool, seconds: float) -> dict[str, Any]:
     url = f"ws://127.0.0.1:{port}/v1/stream"
     jobs = [stream_user(url, stop_at, gaps, ends) for _ in range(STREAMS)]
     if hostile:
-        jobs += [attacks(port, stop_at, seen), health_probes(port, stop_at, health)]
+        jobs += [attacks(port, stop_at, seen, crowd), health_probes(port, stop_at, health)]
     await asyncio.gather(*jobs)
     q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [0.0] * 99
     return {
