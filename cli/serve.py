@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -167,6 +168,11 @@ def run(args: argparse.Namespace) -> None:
 
 def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: GatewaySettings) -> None:
     """The gateway here, N engines on Ray Serve replicas behind the router."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "--replicas and --disaggregate run engines on Ray Serve, which is not installed:"
+            " pip install 'stallfree[scale]' (make test installs it)"
+        )
     from core.analysis.profiler import Profile
     from core.model.gguf import GGUFFile
     from core.model.loader import embedded_model_path

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -74,14 +75,14 @@ def tiny_server(settings: GatewaySettings | None = None, **sched) -> RunningServ
 class ServerProcess:
     """``stallfree serve`` in its own process (its own GIL), for timing-sensitive tests."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
         cmd = [sys.executable, "-m", "cli", "--log-level", "warning", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(cmd, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, cwd=cwd)
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None, "server exited"
