@@ -44,9 +44,10 @@ test: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# the fast subset (under a minute): no servers under load, browser, soak or real-model runs
+# the fast subset (under a minute here): no servers under load, browser, soak, Ray or real-model
+# runs; the property tests with a tenth of their examples; two workers, a module to each
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	STALLFREE_FAST_TESTS=1 $(BIN)/python -m pytest -m "not slow" -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check --fix .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 from core.analysis.cost_model import CostModel
@@ -10,6 +11,11 @@ from core.sched.batch import IterationRecord
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.request import Request, SamplingParams
+
+
+def examples(n: int) -> int:
+    """A property test's example count: n, or a tenth of it under ``make test-fast``."""
+    return max(10, n // 10) if os.environ.get("STALLFREE_FAST_TESTS") else n
 
 
 def tokens(seed: object, n: int) -> list[int]:

@@ -67,6 +67,7 @@ def sim_trial(rate: float, config: SchedulerConfig) -> Trial:
     return trial_from(rate, summary)
 
 
+@pytest.mark.slow
 def test_on_the_simulated_engine_it_converges_and_grows_with_the_slo():
     config = SchedulerConfig(token_budget=2048, max_num_seqs=64, max_model_len=16384)
     known: dict[float, Trial] = {}
@@ -82,6 +83,7 @@ def test_on_the_simulated_engine_it_converges_and_grows_with_the_slo():
         assert all(not t.meets(SLO(ms)) for t in above)
 
 
+@pytest.mark.slow
 def test_a_tbt_target_at_the_slo_serves_more_than_the_same_budget_without_one():
     slo = SLO(30.0)
     budget = SchedulerConfig(token_budget=2048, max_num_seqs=64, max_model_len=16384)

@@ -23,9 +23,11 @@ from core.sched.request import FinishReason, Request, SamplingParams, Timeline
 from scaleout.board import BOARD, PREFILL_BOARD
 from scaleout.remote import RemoteEngine
 from scaleout.spec import Handoff, Job, ReplicaSpec
-from tests.test_gateway_ws import check_stream, collect, recv, send
-from tests.test_observability import TRACE_ID, attrs
-from tests.test_scaleout import RayCluster
+from tests.otlp import TRACE_ID, attrs
+from tests.ray_cluster import RayCluster
+from tests.wsclient import check_stream, collect, recv, send
+
+pytestmark = pytest.mark.slow  # each module starts a Ray cluster
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,6 @@ async def test_a_decode_replica_dying_after_it_took_the_kv_ends_the_stream_with_
     all_free(cluster)
 
 
-@pytest.mark.slow
 async def test_serve_disaggregate_command(cluster):
     """``stallfree serve --sim --disaggregate 1:1`` joins this module's Ray
     cluster with a prefill and a decode application of its own, streams what

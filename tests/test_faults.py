@@ -19,7 +19,7 @@ from core import faults
 from core.sched.engine import Engine
 from gateway.settings import GatewaySettings
 from tests.server import ServerProcess, sim_server
-from tests.test_gateway_ws import collect, recv, send
+from tests.wsclient import collect, recv, send
 
 
 @pytest.fixture(autouse=True)

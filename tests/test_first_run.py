@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server import ServerProcess
 
@@ -77,6 +78,7 @@ def dockerignored(directory: str, names: list[str]) -> set[str]:
     }
 
 
+@pytest.mark.slow
 def test_the_image_file_set_starts_a_server(tmp_path):
     """What the image copies, alone in a directory, serves a completion (no Docker engine runs here)."""
     for path in copied_paths((ROOT / "Dockerfile").read_text()):

@@ -13,21 +13,7 @@ from openai import APITimeoutError, AsyncOpenAI, BadRequestError, OpenAI
 from websockets.asyncio.client import connect
 
 from gateway.settings import GatewaySettings
-from tests.server import sim_server, tiny_server
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = sim_server()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    s = tiny_server()
-    yield s
-    s.stop()
+from tests.server import sim_server
 
 
 def openai_client(server, key="unused"):

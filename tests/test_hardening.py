@@ -20,16 +20,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from core.sched.config import RANGES
 from gateway.settings import GatewaySettings
 from tests.server import sim_server
-from tests.test_gateway_ws import collect, recv, send
+from tests.wsclient import collect, recv, send
 
 VOCAB = 49152  # the simulated runner's: the embedded tokenizer's
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = sim_server()
-    yield s
-    s.stop()
 
 
 # field -> bad values; each must be refused with a message naming the field

@@ -20,7 +20,7 @@ from gateway.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
 from tests.server import ServerProcess, sim_server
-from tests.test_gateway_ws import recv, send
+from tests.wsclient import recv, send
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +296,7 @@ def test_lone_surrogates_and_nul_in_text_are_handled_without_a_500(server):
         assert r.status_code in (200, 400), (prompt, r.status_code, r.text[:200])
 
 
+@pytest.mark.slow
 async def test_a_reader_that_never_reads_is_cut_off_and_its_kv_freed():
     """Its output fits the sockets' buffers, so no send ever blocks: the cut-off
     watches what the client has not taken since its receive window filled (it
@@ -318,6 +319,7 @@ async def test_a_reader_that_never_reads_is_cut_off_and_its_kv_freed():
         srv.stop()
 
 
+@pytest.mark.slow
 async def test_normal_streams_keep_their_beat_through_a_mixed_hostile_load():
     """bench.hostile_load's attacks (giant headers; 50 slowloris and 250 idle sockets, a quarter
     of its crowd; 16 clients tokenizing 900 kB each; frames that cannot be echoed; deep JSON;

@@ -9,7 +9,7 @@ import torch
 
 from core.analysis.profiler import choose_budget, profile_runner
 from core.model.export import export_hf_dir
-from core.model.loader import ModelLoadError, load_model, load_tiny
+from core.model.loader import ModelLoadError, load_model
 from core.model.model_runner import ModelRunner
 from core.sched.batch import Batch, Item
 from core.sched.block_manager import BlockManager
@@ -20,11 +20,6 @@ from kernels import build_attention_meta, paged_attention, write_kv
 from tests.simkit import tokens
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_tiny()
 
 
 def dense_attention(q, k, v, prefix):
@@ -109,9 +104,9 @@ def first_token_logits(runner, prompt, chunk, decoders):
     return captured["logits"][-1]
 
 
-def test_chunked_prefill_is_exact(tiny):
+def test_chunked_prefill_is_exact(tiny_model):
     """The article: chunking changes cost accounting, not semantics."""
-    runner = ModelRunner(tiny, 256, 16, torch.float32, CPU)
+    runner = ModelRunner(tiny_model, 256, 16, torch.float32, CPU)
     prompt = tokens("chunked", 150)
     whole = first_token_logits(runner, prompt, len(prompt), [])
     for chunk in (1, 7, 16, 33, 64):
@@ -120,8 +115,8 @@ def test_chunked_prefill_is_exact(tiny):
         assert mixed.argmax() == whole.argmax()
 
 
-def greedy(tiny, dtype=torch.float32, **sched):
-    runner = ModelRunner(tiny, 512, 16, dtype, CPU)
+def greedy(tiny_model, dtype=torch.float32, **sched):
+    runner = ModelRunner(tiny_model, 512, 16, dtype, CPU)
     engine = Engine(SchedulerConfig(max_num_seqs=8, max_model_len=1024, **sched), CacheConfig(512, 16), runner)
     reqs = [
         Request(f"r{i}", tokens(("g", i), n), SamplingParams(max_tokens=12, ignore_eos=True), 0)
@@ -135,24 +130,24 @@ def greedy(tiny, dtype=torch.float32, **sched):
     return [r.output_token_ids for r in reqs]
 
 
-def test_greedy_outputs_match_across_budgets_and_modes(tiny):
-    reference = greedy(tiny, chunking="none")
-    assert greedy(tiny, token_budget=24) == reference
-    assert greedy(tiny, token_budget=100, dynamic_chunking=False) == reference
-    assert greedy(tiny, chunking="decode_first", token_budget=40) == reference
+def test_greedy_outputs_match_across_budgets_and_modes(tiny_model):
+    reference = greedy(tiny_model, chunking="none")
+    assert greedy(tiny_model, token_budget=24) == reference
+    assert greedy(tiny_model, token_budget=100, dynamic_chunking=False) == reference
+    assert greedy(tiny_model, chunking="decode_first", token_budget=40) == reference
 
 
-def test_bf16_agrees_with_fp32(tiny):
-    a, b = greedy(tiny), greedy(tiny, torch.bfloat16)
+def test_bf16_agrees_with_fp32(tiny_model):
+    a, b = greedy(tiny_model), greedy(tiny_model, torch.bfloat16)
     agree = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra[:4], rb[:4], strict=True))
     assert agree >= 12  # of the first 4 tokens of 4 requests; later tokens may drift
 
 
-def test_hf_directory_roundtrip(tiny, tmp_path):
-    export_hf_dir(tiny, tmp_path, torch.float32)
+def test_hf_directory_roundtrip(tiny_model, tmp_path):
+    export_hf_dir(tiny_model, tmp_path, torch.float32)
     loaded = load_model(str(tmp_path))
-    assert loaded.config.num_layers == tiny.config.num_layers
-    a = ModelRunner(tiny, 64, 16, torch.float32, CPU)
+    assert loaded.config.num_layers == tiny_model.config.num_layers
+    a = ModelRunner(tiny_model, 64, 16, torch.float32, CPU)
     b = ModelRunner(loaded, 64, 16, torch.float32, CPU)
     prompt = tokens("hf", 40)
     assert torch.allclose(first_token_logits(a, prompt, 40, []), first_token_logits(b, prompt, 40, []), atol=1e-5)
@@ -179,8 +174,8 @@ def test_bad_model_directories_name_the_file(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_bad_requests_are_refused_before_work(tiny):
-    runner = ModelRunner(tiny, 64, 16, torch.float32, CPU)
+def test_bad_requests_are_refused_before_work(tiny_model):
+    runner = ModelRunner(tiny_model, 64, 16, torch.float32, CPU)
     engine = Engine(SchedulerConfig(max_model_len=512), CacheConfig(64, 16), runner)
     with pytest.raises(RequestRejected, match="context limit") as info:
         engine.add_request(Request("long", tokens("l", 600), SamplingParams(), 0))
@@ -196,8 +191,8 @@ def test_bad_requests_are_refused_before_work(tiny):
     assert not engine.has_work
 
 
-def test_profile_fits_and_chooses_a_budget(tiny):
-    runner = ModelRunner(tiny, 1024, 16, torch.float32, CPU)
+def test_profile_fits_and_chooses_a_budget(tiny_model):
+    runner = ModelRunner(tiny_model, 1024, 16, torch.float32, CPU)
     prof = profile_runner(runner, 1024, threads=torch.get_num_threads(), quick=True)
     curve = sorted((p.tokens, p.measured_ms) for p in prof.points if p.chunk and p.prefix == 0)
     assert max(prof.errors_pct()) < 1000

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import gzip
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-import uvicorn
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 from structlog.testing import capture_logs
 from websockets.asyncio.client import connect
 
@@ -28,46 +20,11 @@ from core.sched.config import SchedulerConfig
 from gateway.observers import Observer
 from gateway.settings import GatewaySettings
 from gateway.tracing import Tracing
+from tests.otlp import TRACE_ID, OtlpReceiver, attrs
 from tests.server import RunningServer
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
-
-
-class OtlpReceiver:
-    """A minimal OTLP/HTTP trace collector: decodes every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-
-        async def traces(request: Request) -> Response:
-            body = await request.body()
-            if request.headers.get("content-encoding") == "gzip":
-                body = gzip.decompress(body)
-            export = ExportTraceServiceRequest.FromString(body)
-            for rs in export.resource_spans:
-                for ss in rs.scope_spans:
-                    self.spans.extend(ss.spans)
-            return Response(b"", media_type="application/x-protobuf")
-
-        app = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def wait_for(self, predicate, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        while not predicate(self.spans):
-            assert time.monotonic() < deadline, f"spans never arrived ({len(self.spans)} so far)"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def traced_server(monkeypatch, endpoint: str, iteration_sample: float = 0.0) -> RunningServer:
@@ -79,18 +36,6 @@ def traced_server(monkeypatch, endpoint: str, iteration_sample: float = 0.0) -> 
     assert tracing is not None
     engine, tokenizer = build_sim_engine(SchedulerConfig(token_budget=96, max_num_seqs=16), time_scale=0.02)
     return RunningServer(engine, tokenizer, GatewaySettings(model_name="smol"), tracing=tracing)
-
-
-def attrs(span) -> dict:
-    out = {}
-    for kv in span.attributes:
-        v = kv.value
-        out[kv.key] = (
-            next(getattr(v, f) for f in ("string_value", "int_value", "double_value", "bool_value") if v.HasField(f))
-            if not v.HasField("array_value")
-            else [x.string_value for x in v.array_value.values]
-        )
-    return out
 
 
 def test_tracing_is_off_without_an_endpoint(monkeypatch):

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from gateway.openai_fields import CHAT, COMPLETIONS, IMPLEMENTED
-from tests.server import sim_server, tiny_server
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
@@ -82,13 +81,6 @@ REFUSED = {
     "echo": True,
     "suffix": " the end",
 }
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = sim_server()
-    yield s
-    s.stop()
 
 
 def post(server, chat: bool, body: dict) -> httpx.Response:
@@ -169,13 +161,6 @@ def test_tokenize_and_detokenize(server):
     ]:
         r = httpx.post(server.url + path, json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    s = tiny_server()
-    yield s
-    s.stop()
 
 
 @pytest.mark.slow

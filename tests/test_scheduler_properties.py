@@ -32,7 +32,7 @@ from core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
 from core.sched.config import CHUNKING_MODES, POLICIES
 from core.sched.engine import RequestRejected
 from core.sched.request import FinishReason, RequestStatus
-from tests.simkit import request, sim_engine, tokens
+from tests.simkit import examples, request, sim_engine, tokens
 
 PREFIXES = {name: tokens(("prefix", name), 24) for name in ("sys-a", "sys-b")}
 # The article's model on a slow accelerator: 0.8 ms per token of compute, so a
@@ -170,7 +170,7 @@ def invariants(e, schedule):
     return checked
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(spec, min_size=1, max_size=14),
     cfg=config,
@@ -189,8 +189,7 @@ def test_invariants_hold_on_random_traces(specs, cfg, num_blocks, block_size):
             assert r.num_output_tokens == s.max_tokens or r.num_tokens == e.config.max_model_len
 
 
-@pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(spec, min_size=1, max_size=10),
     budget=st.integers(12, 64),

@@ -15,7 +15,7 @@ from core.sched.request import FinishReason
 from gateway.streams import Delta, RequestStream
 from gateway.telemetry import MAX_SERIES
 from tests.server import sim_server
-from tests.test_gateway_ws import collect, recv, send
+from tests.wsclient import collect, recv, send
 
 
 def drain(s: RequestStream) -> list[Delta]:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from tests.server import ServerProcess, tiny_server
+from tests.server import ServerProcess
 
 SCHEMA = {
     "type": "object",
@@ -16,13 +16,6 @@ SCHEMA = {
     "required": ["ok", "n"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    s = tiny_server()
-    yield s
-    s.stop()
 
 
 @pytest.mark.slow

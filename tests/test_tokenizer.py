@@ -1,32 +1,25 @@
 """Tokenizer (GGUF and HF forms) and the streaming detokenizer."""
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.model.detokenizer import Detokenizer
 from core.model.export import export_hf_dir
-from core.model.loader import load_tiny
 from core.model.tokenizer import Tokenizer, _pieces
 
 TEXTS = ["What is the capital of France?", "x = 12345 + 6.7", "Héllo wörld 你好 🎉\n\ttabs", "  spaces  "]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_tiny()
-
-
-def test_roundtrip_and_digit_split(tiny):
-    tok = tiny.tokenizer
+def test_roundtrip_and_digit_split(tiny_model):
+    tok = tiny_model.tokenizer
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     digits = tok.encode("12345")
     assert len(digits) == 5  # digits are split one by one
 
 
-def test_control_tokens_are_special(tiny):
-    tok = tiny.tokenizer
+def test_control_tokens_are_special(tiny_model):
+    tok = tiny_model.tokenizer
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == 1
     assert ids[-1] == 2
@@ -35,25 +28,25 @@ def test_control_tokens_are_special(tiny):
     assert tok.token_bytes[2] == b""
 
 
-def test_chat_template(tiny):
-    text = tiny.tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+def test_chat_template(tiny_model):
+    text = tiny_model.tokenizer.render_chat([{"role": "user", "content": "Hi"}])
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert "<|im_start|>system" in text
 
 
-def test_hf_export_roundtrip(tiny, tmp_path):
-    export_hf_dir(tiny, tmp_path)
+def test_hf_export_roundtrip(tiny_model, tmp_path):
+    export_hf_dir(tiny_model, tmp_path)
     hf = Tokenizer.from_hf_dir(tmp_path)
     for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
-        assert hf.encode(text) == tiny.tokenizer.encode(text)
-    assert hf.eos_token_ids == tiny.tokenizer.eos_token_ids
-    assert hf.render_chat([{"role": "user", "content": "Hi"}]) == tiny.tokenizer.render_chat(
+        assert hf.encode(text) == tiny_model.tokenizer.encode(text)
+    assert hf.eos_token_ids == tiny_model.tokenizer.eos_token_ids
+    assert hf.render_chat([{"role": "user", "content": "Hi"}]) == tiny_model.tokenizer.render_chat(
         [{"role": "user", "content": "Hi"}]
     )
 
 
-def test_detokenizer_never_emits_partial_utf8(tiny):
-    tok = tiny.tokenizer
+def test_detokenizer_never_emits_partial_utf8(tiny_model):
+    tok = tiny_model.tokenizer
     ids = tok.encode("🎉 你好")
     assert len(ids) > 3  # the emoji is split over several byte tokens
     d = Detokenizer(tok.token_bytes)
@@ -62,8 +55,8 @@ def test_detokenizer_never_emits_partial_utf8(tiny):
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_detokenizer_stop_strings_across_tokens(tiny):
-    tok = tiny.tokenizer
+def test_detokenizer_stop_strings_across_tokens(tiny_model):
+    tok = tiny_model.tokenizer
     ids = tok.encode("The answer is 42. END of story")
     d = Detokenizer(tok.token_bytes, stop=("END",))
     out = ""
@@ -85,10 +78,10 @@ def test_detokenizer_stop_strings_across_tokens(tiny):
     st.lists(st.sampled_from([*"ab c\n\t19 éü中'!.", " ", "  ", "<|im_start|>", "'s"]), max_size=400).map("".join),
     st.integers(1, 60),
 )
-def test_long_text_is_encoded_in_pieces_to_the_same_ids(tiny, unit, repeats):
+def test_long_text_is_encoded_in_pieces_to_the_same_ids(tiny_model, unit, repeats):
     """Long text goes through encode_batch (off the GIL) in pieces cut at single
     spaces; the ids must be those of one whole encode."""
     text = unit * repeats * 40  # up to ~1 MB, past PIECE_CHARS often
-    whole = tiny.tokenizer._tok.encode(text, add_special_tokens=False).ids
-    assert tiny.tokenizer.encode(text) == whole
+    whole = tiny_model.tokenizer._tok.encode(text, add_special_tokens=False).ids
+    assert tiny_model.tokenizer.encode(text) == whole
     assert "".join(_pieces(text)) == text

@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from gateway.tools import Tools, may_start_call, read_calls, template_messages
-from tests.server import tiny_server
 
 WEATHER = {
     "type": "function",
@@ -29,13 +28,6 @@ TIME = {
 }
 NESTED = {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    s = tiny_server()
-    yield s
-    s.stop()
 
 
 def client(server):
