@@ -81,8 +81,8 @@ async def test_the_stream_is_colocated_serving_s_and_the_kv_lands_in_the_decoder
     assert PREFILL_BOARD.placed[rid] in PREFILL_BOARD.stats and BOARD.placed[rid] in BOARD.stats
     # the decode replica's prefix cache holds the imported blocks under the prompt's own hashes
     ids = cluster.tokenizer.encode(prompt)
-    await asyncio.sleep(0.3)  # a report after it finished
-    assert set(prompt_hashes(ids[:-1], 16)) <= set(BOARD.stats[BOARD.placed[rid]].cached)
+    hashes = set(prompt_hashes(ids[:-1], 16))
+    await settle(lambda: hashes <= set(BOARD.stats[BOARD.placed[rid]].cached))  # once a report says so
     all_free(cluster)
     # the trace: the prefill replica's span, then the decode replica's, which says where the KV came from
     spans = cluster.receiver.spans

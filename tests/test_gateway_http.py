@@ -256,7 +256,10 @@ async def test_graceful_shutdown_finishes_or_cancels_in_flight_streams():
         while orjson.loads(await ws.recv())["type"] != "token":
             pass
         srv.server.handle_exit(signal.SIGTERM, None)  # what uvicorn calls on SIGTERM
-        await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while srv.client.accepting:  # the drain starts on the server's loop
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         r = await asyncio.to_thread(httpx.post, srv.url + "/v1/completions", json={"prompt": "late"})
         assert r.status_code == 429 and "shutting down" in r.json()["error"]["message"]
         ends = {}

@@ -79,7 +79,11 @@ def test_a_repeated_long_system_prompt_lands_where_it_is_cached(cluster):
             max_tokens=4,
         )
         usages.append(out.usage)
-        time.sleep(0.3)  # a report or two: the router then sees the blocks cached, not only sent
+        reported = {name: stats.seq for name, stats in BOARD.stats.items()}
+        deadline = time.monotonic() + 10
+        while any(BOARD.stats[name].seq <= seq for name, seq in reported.items()):
+            assert time.monotonic() < deadline  # a report after the answer: the router sees the blocks cached
+            time.sleep(0.01)
     placed = [BOARD.placed[rid] for rid in list(BOARD.placed)[-4:]]
     assert len(set(placed)) == 1, placed
     assert all(u.prompt_tokens_details.cached_tokens >= u.prompt_tokens - 32 for u in usages[1:])
@@ -90,8 +94,10 @@ async def test_cancel_and_disconnect_across_the_hop_free_kv_on_the_replica(clust
         await send(ws, type="generate", id="long", prompt="x " * 300, max_tokens=5000, ignore_eos=True)
         assert (await recv(ws))["type"] == "accepted"
         assert (await recv(ws))["type"] == "token"
-        await asyncio.sleep(0.3)  # a report after it started
-        assert sum(cluster.kv_used().values()) > 0
+        deadline = time.monotonic() + 10
+        while not sum(cluster.kv_used().values()):  # until a report shows the blocks it holds
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
         await send(ws, type="cancel", id="long")
         frames = (await collect(ws, ["long"]))["long"]
         assert frames[-1]["finish_reason"] == "cancelled"

@@ -100,7 +100,10 @@ def test_thread_survives_runner_and_callback_failures(loop):
     assert rec.done["a"].finish_reason == "error"
     loop.on_step = lambda out: 1 / 0  # a broken consumer
     loop.submit(request("b", 4, max_tokens=2))
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while loop.call(lambda: loop.engine.has_work).result(5):  # b ran, its outputs went to the broken consumer
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     loop.on_step = rec
     loop.submit(request("c", 4, max_tokens=2))
     rec.wait_for(lambda: "c" in rec.done)

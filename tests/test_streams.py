@@ -160,7 +160,11 @@ async def test_no_stream_is_left_unclosed_however_requests_end():
             while server.client.num_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert server.client.num_in_flight == 0
-            await asyncio.sleep(0.2)  # the abandoned streams' consumers finish on the server's loop
+            state = server.server.server_state
+            deadline = time.monotonic() + 10
+            while state.connections or state.tasks:  # the server is done with every connection and its app task
+                assert time.monotonic() < deadline, (len(state.connections), len(state.tasks))
+                await asyncio.sleep(0.02)
             gc.collect()
         assert unclosed(record) == []
     finally:
