@@ -2,12 +2,14 @@
 
 import pytest
 
-from core.sched.block_manager import BlockManager
+from core.sched.block_manager import Admitted, BlockManager, Grown
 from tests.simkit import request
 
 
 def admitted(bm: BlockManager, req, reserve: int | None = None):
-    assert bm.admit(req, req.num_tokens if reserve is None else reserve)
+    found = bm.admit(req, req.num_tokens if reserve is None else reserve)
+    assert found is not None
+    req.num_computed_tokens = found.computed_tokens  # what the scheduler records
     return req
 
 
@@ -137,16 +139,16 @@ def test_shared_blocks_are_copied_by_whichever_request_writes_first():
     head = admitted(bm, request("h", 10), reserve=16)
     compute_all(bm, head)  # 10 tokens: 2 full blocks and a partial one
     child = request("c", head.prompt_token_ids)
-    assert bm.share(child, head, 16)
-    assert child.block_ids == head.block_ids and child.num_computed_tokens == 9
+    assert bm.share(child, head, 16) == Admitted(9)  # all but the last prompt token
+    assert child.block_ids == head.block_ids
     assert all(bm.blocks[b].ref_count == 2 for b in head.block_ids)
     bm.check_invariants([head, child])
     partial = head.block_ids[2]
-    assert bm.allocate(head, 1)  # the head writes token 10 into the shared partial block: it copies it
+    grown = bm.allocate(head, 1)  # the head writes token 10 into the shared partial block: it copies it
     assert head.block_ids[2] != partial and child.block_ids[2] == partial
-    assert bm.pending_copies == [(partial, head.block_ids[2])] and bm.blocks[partial].ref_count == 1
-    assert bm.allocate(child, 1)  # now the child's alone in it: no copy
-    assert bm.pending_copies == [(partial, head.block_ids[2])]
+    assert grown == Grown(((partial, head.block_ids[2]),)) and bm.blocks[partial].ref_count == 1
+    child.num_computed_tokens = 9
+    assert bm.allocate(child, 1) == Grown()  # now the child's alone in it: no copy
     bm.check_invariants([head, child])
     for r in (head, child):
         bm.free(r)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import llguidance
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine, RequestRejected
 from core.sched.request import Request, SamplingParams
 from kernels import build_attention_meta, paged_attention, write_kv
-from tests.simkit import tokens
+from tests.simkit import request, run_to_completion, tokens
 
 CPU = torch.device("cpu")
 
@@ -222,3 +223,14 @@ def test_real_model_answers_paris():
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "prompt tokens" in out.stderr
+
+
+def test_a_constrained_or_penalized_request_leaves_no_runner_state_behind(tiny_model):
+    runner = ModelRunner(tiny_model, 256, 16, torch.float32, CPU)
+    e = Engine(SchedulerConfig(max_num_seqs=4, token_budget=64), CacheConfig(256, 16), runner)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    e.add_request(request("g", 6, max_tokens=3, grammar=llguidance.LLMatcher.grammar_from_json_schema(schema)))
+    e.add_request(request("p", 6, max_tokens=3, frequency_penalty=0.5))
+    run_to_completion(e)
+    e.step()  # the batch after their end names them
+    assert runner.sampler.grammars._matchers == {} and dict(runner.sampler.counts._row_of) == {}

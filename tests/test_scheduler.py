@@ -375,3 +375,20 @@ def test_choices_of_one_prompt_compute_it_once_and_share_its_blocks():
     alone, alone_reqs = run(shared=False)
     run_to_completion(alone)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in alone_reqs]
+
+
+def test_the_next_batch_names_every_ended_request_so_the_runner_releases_it_at_once():
+    e = sim_engine()
+    released: list[str] = []
+    e.runner.release = released.extend
+    e.add_request(request("done", 4, max_tokens=1))
+    e.add_request(request("cancelled", 4, max_tokens=50))
+    e.add_request(request("failed", 4, max_tokens=50))
+    e.step()  # "done" samples its one token and finishes
+    assert released == []
+    e.abort_request("cancelled")
+    e.fail([e.scheduler.requests["failed"]])
+    e.step()
+    assert sorted(released) == ["cancelled", "done", "failed"]
+    e.step()
+    assert len(released) == 3  # each once

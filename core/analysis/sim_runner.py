@@ -74,15 +74,17 @@ class SimRunner:
         for block_id, slots in zip(block_ids, payload, strict=False):
             self._slots[block_id] = list(slots)
 
+    def release(self, request_ids: list[str]) -> None:
+        """Nothing kept per request: the fake cache is per block."""
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for source, copy in copies:
+            if source in self._slots:
+                self._slots[copy] = list(self._slots[source])
+
     def execute(self, batch: Batch) -> Sampled:
         faults.point("sample")
         bs = self.block_size
-        for source, copy in batch.copies:  # copy on write of a shared block
-            if source in self._slots:
-                self._slots[copy] = list(self._slots[source])
-        for req in batch.imports:  # KV computed by another engine (disaggregated prefill)
-            self.import_kv(req.block_ids, req.kv_imported, req.kv_payload)
-            req.kv_payload = None
         sampled = []
         for item in batch.items:
             req = item.request

@@ -4,8 +4,8 @@ what its grammar (llguidance; JSON Schema for ``response_format``) allows.
 One ``LLTokenizer`` per model, built on the first constrained request (about
 0.3 s). A request gets a matcher on its first sampled token; the matcher
 advances by the token each iteration samples and is rebuilt from the
-request's output when it no longer matches (a matcher is dropped once its
-request has finished). The mask of every constrained row is filled, then
+request's output when it no longer matches (a matcher is dropped when a
+batch names its request among the finished). The mask of every constrained row is filled, then
 applied to those rows' logits only (bench/results/grammar_masks-2026-12-01.md:
 about 6-10 µs per row to fill on this CPU).
 """
@@ -17,7 +17,7 @@ import llguidance.numpy
 import torch
 
 from core.model.tokenizer import Tokenizer
-from core.sched.request import Request, RequestStatus
+from core.sched.request import Request
 
 
 class Grammars:
@@ -43,8 +43,11 @@ class Grammars:
         """The rows' requests sampled these tokens (allowed by their masks)."""
         for i in rows:
             self._matchers[requests[i].request_id][1].consume_token(tokens[i])
-        for rid in [rid for rid, (req, _) in self._matchers.items() if req.status == RequestStatus.FINISHED]:
-            del self._matchers[rid]
+
+    def release(self, request_ids: list[str]) -> None:
+        """Ended requests' matchers."""
+        for rid in request_ids:
+            self._matchers.pop(rid, None)
 
     def _matcher(self, req: Request) -> llguidance.LLMatcher:
         entry = self._matchers.get(req.request_id)

@@ -97,13 +97,15 @@ class ModelRunner:
         self.k_cache[:, blocks] = k.to(self.device, self.dtype)
         self.v_cache[:, blocks] = v.to(self.device, self.dtype)
 
-    def execute(self, batch: Batch) -> Sampled:
-        for source, copy in batch.copies:  # copy on write: a choice's own copy of a shared block
+    def release(self, request_ids: list[str]) -> None:
+        self.sampler.release(request_ids)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for source, copy in copies:
             self.k_cache[:, copy] = self.k_cache[:, source]
             self.v_cache[:, copy] = self.v_cache[:, source]
-        for req in batch.imports:  # KV computed by another engine (disaggregated prefill)
-            self.import_kv(req.block_ids, req.kv_imported, req.kv_payload)
-            req.kv_payload = None
+
+    def execute(self, batch: Batch) -> Sampled:
         ids: list[int] = []
         tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
         for item in batch.items:

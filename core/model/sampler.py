@@ -29,6 +29,12 @@ class Sampler:
         self.counts = TokenCounts(vocab_size, device)
         self.grammars = Grammars(tokenizer, vocab_size) if tokenizer is not None else None
 
+    def release(self, request_ids: list[str]) -> None:
+        """The ended requests' rows and matchers."""
+        self.counts.release(request_ids)
+        if self.grammars is not None:
+            self.grammars.release(request_ids)
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """logits: [len(requests), vocab] float32, one row per request that samples."""

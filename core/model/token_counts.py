@@ -45,6 +45,11 @@ class TokenCounts:
             rows.append(row)
         return torch.tensor(rows, device=self.device)
 
+    def release(self, request_ids: list[str]) -> None:
+        """Ended requests give their rows back."""
+        for rid in request_ids:
+            self._row_of.pop(rid, None)
+
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count one new token per row (the tokens just sampled)."""
         self.output.index_put_((rows, tokens), torch.ones(len(rows), device=self.device), accumulate=True)

@@ -27,15 +27,28 @@ class Item:
         object.__setattr__(self, "samples", self.start + self.num_tokens == self.request.num_tokens)
 
 
+@dataclass(slots=True, frozen=True)
+class KvImport:
+    """KV computed by another engine (disaggregated prefill), to write into these blocks."""
+
+    block_ids: list[int]
+    num_tokens: int
+    payload: object  # the exporting runner's ``export_kv`` (opaque here)
+
+
 @dataclass(slots=True)
 class Batch:
-    """A flattened ragged batch: decode items first, then prefill chunks."""
+    """A flattened ragged batch: decode items first, then prefill chunks.
+
+    Before the items run, the engine has the runner make ``copies`` and
+    write ``imports``, and release what it holds for ``finished``."""
 
     iteration: int
     items: list[Item] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks, before the items run
-    imports: list[Request] = field(default_factory=list)  # their kv_payload into their blocks, before the items run
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks
+    imports: list[KvImport] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # requests ended since the previous batch
     target_s: float = 0.0  # the TBT target this iteration was sized to (0: none applied)
     predicted_s: float = 0.0  # the cost model's prediction of its time (0: no cost model)
     # why its predicted time may exceed that target: "decodes" (they alone fill it)

@@ -24,6 +24,10 @@ One request's blocks, and what the pool's counts mean::
 
 A hit block (h0..h2) may be shared by several tables (``ref_count``); a free
 block that still has a hash stays findable until it is handed out again.
+
+The manager owns blocks and block tables; what a request has computed is the
+scheduler's to record: admission answers with the tokens it found computed
+(``Admitted``), growth with the copies the runner must make first (``Grown``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,22 @@ from dataclasses import dataclass
 
 from core import faults
 from core.sched.request import Request
+
+
+@dataclass(slots=True, frozen=True)
+class Admitted:
+    """A request admitted: its first ``computed_tokens`` need no computing (prefix
+    hits, a sibling's prompt, KV imported from a prefill worker)."""
+
+    computed_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Grown:
+    """A block table grown: ``copies`` (source, copy) blocks the runner fills
+    before the iteration runs (copy on write of a shared block)."""
+
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -66,7 +86,6 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._by_hash: dict[bytes, int] = {}
         self._unallocated_reserve = 0  # every request's unallocated reserve, summed
-        self.pending_copies: list[tuple[int, int]] = []  # (source, copy) blocks for the next batch
         self.prefix_hit_tokens = 0
 
     # -- counters ---------------------------------------------------------
@@ -161,46 +180,41 @@ class BlockManager:
         """Blocks of req's footprint it has not allocated yet (0 once it grew past it)."""
         return max(0, req.footprint_blocks - len(req.block_ids))
 
-    def admit(self, req: Request, reserve_tokens: int) -> bool:
-        """Take prefix hits and reserve req's final footprint, or change nothing.
+    def admit(self, req: Request, reserve_tokens: int) -> Admitted | None:
+        """Take prefix hits and reserve req's final footprint, or change nothing (None).
 
         ``reserve_tokens``: the footprint to guarantee (tokens + decode reserve).
-        On success req.num_computed_tokens covers the hit blocks.
         """
         hits = self._matched_blocks(req)
         footprint = max(self.blocks_for(reserve_tokens), len(hits))
         hits_now_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # taking them uses free blocks
         unreserved_free = self.num_free_blocks - hits_now_free - self._unallocated_reserve
         if footprint - len(hits) > unreserved_free:
-            return False
+            return None
         for block_id in hits:
             self._take(block_id)
         req.block_ids = hits
         req.footprint_blocks = footprint
         self._unallocated_reserve += self._reserve_left(req)
-        req.num_computed_tokens = len(hits) * self.block_size
-        self.prefix_hit_tokens += req.num_computed_tokens
-        return True
+        self.prefix_hit_tokens += len(hits) * self.block_size
+        return Admitted(len(hits) * self.block_size)
 
-    def admit_imported(self, req: Request, reserve_tokens: int) -> bool:
+    def admit_imported(self, req: Request, reserve_tokens: int) -> Admitted | None:
         """Admit req with its first ``req.kv_imported`` tokens' KV computed
-        elsewhere (a prefill worker), or change nothing: fresh blocks to write
-        it into, held now, and the footprint reserved. Its full blocks join the
-        prefix cache as computed ones do."""
+        elsewhere (a prefill worker), or change nothing (None): fresh blocks to
+        write it into, held now, and the footprint reserved."""
         blocks = self.blocks_for(req.kv_imported)
         footprint = max(self.blocks_for(reserve_tokens), blocks)
         if footprint > self.num_free_blocks - self._unallocated_reserve:
-            return False
+            return None
         req.block_ids = [self._pop_free() for _ in range(blocks)]
         req.footprint_blocks = footprint
         self._unallocated_reserve += self._reserve_left(req)
-        req.num_computed_tokens = req.kv_imported
-        self.cache_computed(req)
-        return True
+        return Admitted(req.kv_imported)
 
-    def share(self, req: Request, head: Request, reserve_tokens: int) -> bool:
+    def share(self, req: Request, head: Request, reserve_tokens: int) -> Admitted | None:
         """Admit req, another choice of head's prompt (which head has computed),
-        onto head's blocks, or change nothing. Every block of the prompt is
+        onto head's blocks, or change nothing (None). Every block of the prompt is
         shared, the partial last one too, until either request writes into it
         (copy on write: ``allocate``); req computes only its last prompt token
         again, for the logits of its first token. Its footprint reserves the copy."""
@@ -208,18 +222,17 @@ class BlockManager:
         shared = head.block_ids[: self.blocks_for(n)]
         footprint = max(self.blocks_for(reserve_tokens), len(shared)) + 1  # + the copy of the block it writes
         if footprint - len(shared) > self.num_free_blocks - self._unallocated_reserve:
-            return False
+            return None
         for block_id in shared:
             self._take(block_id)
         req.block_ids = list(shared)
         req.footprint_blocks = footprint
         self._unallocated_reserve += self._reserve_left(req)
-        req.num_computed_tokens = n - 1
         self.prefix_hit_tokens += n - 1
-        return True
+        return Admitted(n - 1)
 
-    def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Grow req's block table to hold num_new_tokens more tokens, or change nothing.
+    def allocate(self, req: Request, num_new_tokens: int) -> Grown | None:
+        """Grow req's block table to hold num_new_tokens more tokens, or change nothing (None).
 
         Blocks come from req's own reservation first, then from blocks nobody
         has reserved.
@@ -229,21 +242,22 @@ class BlockManager:
         shared = written < len(req.block_ids) and self.blocks[req.block_ids[written]].ref_count > 1
         new_blocks = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids) + shared
         if new_blocks <= 0:
-            return True
+            return Grown()
         own_reserve = self._reserve_left(req)
         others_reserve = self._unallocated_reserve - own_reserve
         if new_blocks > self.num_free_blocks - others_reserve:
-            return False
+            return None
+        copies: tuple[tuple[int, int], ...] = ()
         if shared:  # copy on write: req's own copy of the block, filled by the runner before it runs
             source, copy = req.block_ids[written], self._pop_free()
             self.blocks[source].ref_count -= 1
             req.block_ids[written] = copy
-            self.pending_copies.append((source, copy))
+            copies = ((source, copy),)
             req.footprint_blocks -= 1 if own_reserve else 0  # the copy came out of its reserve
         for _ in range(new_blocks - shared):
             req.block_ids.append(self._pop_free())
         self._unallocated_reserve -= own_reserve - self._reserve_left(req)
-        return True
+        return Grown(copies)
 
     def free(self, req: Request) -> None:
         """Release req's blocks and reservation. Tail blocks go first in LRU order,

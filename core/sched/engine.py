@@ -167,6 +167,7 @@ class Engine:
         batch: Batch | None = None
         try:
             batch = self.scheduler.schedule(start_ns)
+            self._prepare(batch)
             if not batch.items:
                 return self._collect(None, [])
             shape = batch.shape()
@@ -182,6 +183,13 @@ class Engine:
             self.cost.observe(*shape, (end_ns - start_ns) / 1e9)
         return self._collect(self._record(batch, start_ns, end_ns), emitted)
 
+    def _prepare(self, batch: Batch) -> None:
+        """What the runner does before any batch's items run, whichever runner it is."""
+        self.runner.release(batch.finished)
+        self.runner.copy_blocks(batch.copies)
+        for kv in batch.imports:
+            self.runner.import_kv(kv.block_ids, kv.num_tokens, kv.payload)
+
     def _export(self, batch: Batch) -> None:
         """The KV of prompts just computed whose requests asked for it (kv_export),
         before they finish and free their blocks."""
@@ -192,6 +200,8 @@ class Engine:
 
     def _failed(self, batch: Batch | None, exc: Exception) -> None:
         self.failed_in_a_row += 1
+        if batch is not None:
+            self.runner.release(batch.finished)  # again if it already was: the runner's state must not outlive them
         touched = [item.request for item in batch.items] if batch is not None else []
         log.error(
             "iteration_failed",

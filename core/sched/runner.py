@@ -17,9 +17,17 @@ class Runner(Protocol):
     vocab_size: int  # rows of the logits: the largest meaningful top_k
 
     def execute(self, batch: Batch) -> Sampled:
-        """Run the batch; return one token per item that samples, in item order.
-        First ``batch.copies``, then each of ``batch.imports``' ``kv_payload``
-        into its blocks (``import_kv``)."""
+        """Run the batch's items; return one token per item that samples, in item order.
+        The engine has had the runner release, copy and import what the batch names."""
+        ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop whatever the runner keeps per request for these (ended) requests;
+        an id it does not know is no error."""
+        ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, copy) KV block: copy on write of a shared block."""
         ...
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> object:

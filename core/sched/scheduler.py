@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core import faults
-from core.sched.batch import Batch, Item, NewToken, Sampled
-from core.sched.block_manager import BlockManager
+from core.sched.batch import Batch, Item, KvImport, NewToken, Sampled
+from core.sched.block_manager import Admitted, BlockManager
 from core.sched.config import Chunking, SchedulerConfig
 from core.sched.cost import IterationCost
 from core.sched.policy import order_waiting
@@ -97,6 +97,7 @@ class Scheduler:
         self.served: dict[str, int] = {}
         self._active: Counter[str] = Counter()  # tenant -> its requests in the engine
         self._iteration = 0
+        self._finished: list[str] = []  # requests ended since the last batch: the next one names them
         # recent iterations that ran prefill chunks: (iteration, ids of the requests chunked)
         self._prefill_log: deque[tuple[int, frozenset[str]]] = deque(maxlen=4096)
 
@@ -133,6 +134,7 @@ class Scheduler:
         req.finish_reason = reason
         req.timeline.finished_ns = now_ns
         if self.requests.pop(req.request_id, None) is not None:
+            self._finished.append(req.request_id)
             self._active[req.tenant] -= 1
             if not self._active[req.tenant]:
                 del self._active[req.tenant]
@@ -150,7 +152,8 @@ class Scheduler:
         """The next iteration's batch. If anything raises, ``ScheduleFailed``
         carries the batch as far as it got (the requests it touched)."""
         self._iteration += 1
-        batch = Batch(self._iteration)
+        batch = Batch(self._iteration, finished=self._finished)
+        self._finished = []
         try:
             faults.point("schedule")
             self._schedule(batch, now_ns)
@@ -158,9 +161,22 @@ class Scheduler:
                 batch.predicted_s = self.cost.iteration_s(*batch.shape())
         except Exception as exc:
             raise ScheduleFailed(batch) from exc
-        finally:
-            batch.copies, self.kv.pending_copies = self.kv.pending_copies, []
         return batch
+
+    def _allocate(self, batch: Batch, req: Request, num_new_tokens: int) -> bool:
+        """Grow req's blocks for this batch (the copies it needs go with the batch), or change nothing."""
+        grown = self.kv.allocate(req, num_new_tokens)
+        if grown is None:
+            return False
+        batch.copies += grown.copies
+        return True
+
+    def _admitted(self, req: Request, admitted: Admitted | None) -> bool:
+        """Record what admission found computed."""
+        if admitted is None:
+            return False
+        req.num_computed_tokens = admitted.computed_tokens
+        return True
 
     def _schedule(self, batch: Batch, now_ns: int) -> Batch:
         mode = self.config.chunking
@@ -265,7 +281,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if left == 0:
                 break
-            while not self.kv.allocate(req, 1):
+            while not self._allocate(batch, req, 1):
                 victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
                 self._preempt(victim, batch)
                 if victim is req:
@@ -285,7 +301,7 @@ class Scheduler:
             n = self._chunk(batch, req, req.num_pending_tokens, left, whole)
             if n == 0:
                 continue
-            if not self.kv.allocate(req, n):  # admission reserved the whole prompt
+            if not self._allocate(batch, req, n):  # admission reserved the whole prompt
                 raise RuntimeError(f"KV reservation of {req.request_id} was not honoured")
             batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=True))
             left -= n
@@ -323,14 +339,15 @@ class Scheduler:
             if n < pending and partial >= cfg.max_partial_prefills:
                 continue  # would stay partial; a prompt that finishes in this chunk may still go
             footprint = self._footprint(req)
-            if not (self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)):
+            found = self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)
+            if not self._admitted(req, found):
                 break  # head of line waits for KV room rather than being overtaken forever
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
             admitted.append(req)
-            self.kv.allocate(req, n)
+            self._allocate(batch, req, n)  # within what admission reserved
             batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=True))
             left -= n
             partial += n < pending
@@ -348,13 +365,15 @@ class Scheduler:
     def _admit_imported(self, batch: Batch, req: Request) -> bool:
         """A prompt prefilled elsewhere: its KV into fresh blocks, then straight to
         decoding, its last prompt token first (whose logits give the first token)."""
-        if not self.kv.admit_imported(req, self._footprint(req)):
+        if not self._admitted(req, self.kv.admit_imported(req, self._footprint(req))):
             return False
+        self.kv.cache_computed(req)  # its full blocks join the prefix cache as computed ones do
         req.status = RequestStatus.DECODING
         self.running.append(req)
-        self.kv.allocate(req, 1)
+        self._allocate(batch, req, 1)  # within what admission reserved
         if req.kv_payload is not None:
-            batch.imports.append(req)
+            batch.imports.append(KvImport(list(req.block_ids), req.kv_imported, req.kv_payload))
+            req.kv_payload = None
         batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
         return True
 
