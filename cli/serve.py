@@ -14,8 +14,10 @@ from cli.options import add_model_args, add_scheduler_args, model_settings, sche
 from core.cluster.router import ROUTERS
 
 if TYPE_CHECKING:
+    from core.model.tokenizer import Tokenizer
     from core.sched.config import SchedulerConfig
-    from gateway.settings import GatewaySettings
+    from gateway.backend import EngineBackend
+    from gateway.tracing import Tracing
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -78,7 +80,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from core.analysis.profiler import Profile, choose_budget
+    """One bootstrap: the engine here or on Ray replicas (the backend), then the
+    same gateway, start-up log, collector settings and exit status for both."""
     from gateway.auth import WILDCARD_HOSTS
     from gateway.connections import raise_file_limit
     from gateway.engine_client import EngineClient
@@ -108,51 +111,18 @@ def run(args: argparse.Namespace) -> None:
     settings.max_connections = min(args.max_connections, files - 64)
     facts: dict[str, object] = {"open_files_limit": f"{files_before} -> {files}" if files != files_before else files}
     facts["max_connections"] = settings.max_connections
-    if args.replicas is not None or args.disaggregate is not None:
-        return run_replicas(args, config, settings)
-    if args.sim:
-        from core.build import build_sim_engine
-
-        cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
-        engine, tokenizer = build_sim_engine(
-            config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
-        )
-        settings.model_name = "stallfree-sim"
-        facts["runner"] = "simulated"
+    tracing = Tracing.from_env(args.trace_iterations)
+    facts["tracing"] = "otlp" if tracing is not None else "off"
+    replicated = args.replicas is not None or args.disaggregate is not None
+    if replicated:
+        backend, tokenizer, name = replica_backend(args, config, auto_budget, tracing, facts)
     else:
-        from core.build import engine_over, load_runner, startup_profile
-
-        settings_model = model_settings(args)
-        if settings_model.threads is None:
-            # leave a core to the event loop, tokenization and local clients
-            # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
-            settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
-        runner = load_runner(settings_model)
-        # a target in time, the auto budget and dynamic chunking deserve a fitted model, measured now if none is saved
-        measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms)
-        prof, source = startup_profile(runner, args.profile, measure)
-        engine = engine_over(runner, config, prof)
-        tokenizer = runner.tokenizer
-        settings.model_name = args.model_name or runner.config.name
-        facts |= {
-            "runner": "torch",
-            "dtype": str(runner.dtype),
-            "threads": runner.threads,
-            "device": str(runner.device),
-            "kernels": runner.kernels,
-            "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
-        }
-        if auto_budget:
-            assert prof is not None
-            budget, how = choose_budget(prof.points, args.tpot_slo_ms)
-            engine.warnings += engine.reconfigure({"token_budget": budget})
-            facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
+        backend, tokenizer, name = local_backend(args, config, auto_budget, facts)
+    settings.model_name = args.model_name or name
     # the step thread's Python (scheduling, input prep) holds the GIL in 5 ms
     # slices by default, delaying the event loop's fan-out by as much
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    tracing = Tracing.from_env(args.trace_iterations)
-    facts["tracing"] = "otlp" if tracing is not None else "off"
-    client = EngineClient(engine, tokenizer, settings, tracing, log_text=args.log_text)
+    client = EngineClient(backend, tokenizer, settings, tracing, log_text=args.log_text)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
     server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
     log_startup(client, api_keys=len(keys), host=args.host, port=args.port, **facts)
@@ -161,13 +131,69 @@ def run(args: argparse.Namespace) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)  # fewer young collections in the middle of a fan-out burst
-    server.run()
+    try:
+        server.run()
+    finally:
+        if replicated:
+            from scaleout import app
+
+            app.shutdown(args.ray_app)
     if client.fatal is not None:
         sys.exit(f"stallfree: the engine stopped: {client.fatal}")
 
 
-def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: GatewaySettings) -> None:
-    """The gateway here, N engines on Ray Serve replicas behind the router."""
+def local_backend(
+    args: argparse.Namespace, config: SchedulerConfig, auto_budget: bool, facts: dict[str, object]
+) -> tuple[EngineBackend, Tokenizer, str]:
+    """The engine on this process's step thread: the simulated runner or the model."""
+    from core.analysis.profiler import Profile, choose_budget
+    from core.sched.step_loop import StepLoop
+
+    if args.sim:
+        from core.build import build_sim_engine
+
+        cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
+        engine, tokenizer = build_sim_engine(
+            config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
+        )
+        facts["runner"] = "simulated"
+        return StepLoop(engine), tokenizer, "stallfree-sim"
+    from core.build import engine_over, load_runner, startup_profile
+
+    settings_model = model_settings(args)
+    if settings_model.threads is None:
+        # leave a core to the event loop, tokenization and local clients
+        # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
+        settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
+    runner = load_runner(settings_model)
+    # a target in time, the auto budget and dynamic chunking deserve a fitted model, measured now if none is saved
+    measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms)
+    prof, source = startup_profile(runner, args.profile, measure)
+    engine = engine_over(runner, config, prof)
+    facts |= {
+        "runner": "torch",
+        "dtype": str(runner.dtype),
+        "threads": runner.threads,
+        "device": str(runner.device),
+        "kernels": runner.kernels,
+        "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
+    }
+    if auto_budget:
+        assert prof is not None
+        budget, how = choose_budget(prof.points, args.tpot_slo_ms)
+        engine.warnings += engine.reconfigure({"token_budget": budget})
+        facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
+    return StepLoop(engine), runner.tokenizer, runner.config.name
+
+
+def replica_backend(
+    args: argparse.Namespace,
+    config: SchedulerConfig,
+    auto_budget: bool,
+    tracing: Tracing | None,
+    facts: dict[str, object],
+) -> tuple[EngineBackend, Tokenizer, str]:
+    """N engines on Ray Serve replicas behind the router (P prefill + D decode, disaggregated)."""
     if importlib.util.find_spec("ray") is None:
         raise ValueError(
             "--replicas and --disaggregate run engines on Ray Serve, which is not installed:"
@@ -175,11 +201,8 @@ def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: Ga
         )
     from core.analysis.profiler import Profile
     from core.model.gguf import GGUFFile
-    from core.model.loader import embedded_model_path
+    from core.model.loader import embedded_model_path, gguf_config
     from core.model.tokenizer import Tokenizer
-    from gateway.engine_client import EngineClient
-    from gateway.serve import log_startup, make_server
-    from gateway.tracing import Tracing
     from scaleout import app
     from scaleout.remote import RemoteEngine
     from scaleout.spec import ReplicaSpec
@@ -191,7 +214,7 @@ def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: Ga
         raise ValueError("--replicas must be >= 1")
     if args.model is not None and not args.model.endswith(".gguf"):
         raise ValueError("--replicas serves the embedded model or a GGUF file")
-    if args.token_budget == "auto" or args.dynamic_chunking:
+    if auto_budget or args.dynamic_chunking:
         raise ValueError("--token-budget auto and --dynamic-chunking need a local engine (no --replicas)")
     spec = ReplicaSpec(
         config,
@@ -204,41 +227,20 @@ def run_replicas(args: argparse.Namespace, config: SchedulerConfig, settings: Ga
         kv_cache_gib=args.kv_cache_gib,
         stats_period_s=args.stats_period_s,
     )
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(args.model or embedded_model_path()).metadata)
-    settings.model_name = args.model_name or ("stallfree-sim" if args.sim else "SmolLM2-135M-Instruct")
+    gguf = GGUFFile(args.model or embedded_model_path())
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
     store_gib = args.object_store_gib or (2.0 if prefill else 0.25)  # prompts' KV passes through it
     app.start_ray(args.ray_address, prefill + decode, spec.threads, store_gib)
     # decode replicas take over prompts computed elsewhere: the least loaded one does
     handle = app.deploy(spec, decode, "least_loaded" if prefill else args.router, cost, args.ray_app)
     prefill_handle = app.deploy(spec, prefill, args.router, cost, args.ray_app, pool="prefill") if prefill else None
-
-    tracing = Tracing.from_env(args.trace_iterations)
-
-    def remote(client: EngineClient) -> RemoteEngine:
-        traceparent = tracing.traceparent if tracing is not None else (lambda request_id: None)
-        return RemoteEngine(
-            handle,
-            spec,
-            prefill + decode,
-            tokenizer.vocab_size,
-            client._on_step,
-            client.on_replicas,
-            traceparent,
-            prefill_handle,
-        )
-
-    sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    client = EngineClient(None, tokenizer, settings, tracing, args.log_text, remote)
-    server = make_server(client, args.host, args.port)
-    log_startup(
-        client,
-        replicas=prefill + decode,
-        disaggregated=f"{prefill}:{decode}" if prefill else None,
-        router=args.router,
-        runner="simulated" if args.sim else "torch",
-    )
-    try:
-        server.run()
-    finally:
-        app.shutdown(args.ray_app)
+    traceparent = tracing.traceparent if tracing is not None else (lambda request_id: None)
+    backend = RemoteEngine(handle, spec, prefill + decode, tokenizer.vocab_size, traceparent, prefill_handle)
+    facts |= {
+        "replicas": prefill + decode,
+        "disaggregated": f"{prefill}:{decode}" if prefill else None,
+        "router": args.router,
+        "runner": "simulated" if args.sim else "torch",
+    }
+    return backend, tokenizer, "stallfree-sim" if args.sim else gguf_config(gguf).name

@@ -80,7 +80,7 @@ async def api_config(request: Request) -> Response:
         if request.method in ("GET", "HEAD"):
             return JSONResponse(config_view(client))
         changes = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
-        warnings = await asyncio.wrap_future(client.step_loop.reconfigure(changes))
+        warnings = await asyncio.wrap_future(client.backend.reconfigure(changes))
         return JSONResponse({**config_view(client), "warnings": warnings})
     except EngineStopped as exc:
         return error_response("unavailable", f"the engine stopped: {exc}")

@@ -22,9 +22,9 @@ import structlog
 from core import faults
 from core.cluster.stats import ReplicaStats
 from core.model.tokenizer import Tokenizer
-from core.sched.engine import Engine, EngineSnapshot, RequestOutput, RequestRejected, StepOutput
+from core.sched.engine import EngineSnapshot, RequestOutput, RequestRejected, StepOutput
 from core.sched.request import FinishReason, Request
-from core.sched.step_loop import StepLoop
+from gateway.backend import EngineBackend
 from gateway.metrics import Metrics
 from gateway.observers import Emitted, Observer, RequestLog, TargetLog
 from gateway.protocol import GenerateRequest, ProtocolError
@@ -46,12 +46,11 @@ class EngineClient:
 
     def __init__(
         self,
-        engine: Engine | None,
+        backend: EngineBackend,
         tokenizer: Tokenizer,
         settings: GatewaySettings,
         tracing: Tracing | None = None,
         log_text: bool = False,
-        remote: Callable[[EngineClient], Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.settings = settings
@@ -61,14 +60,10 @@ class EngineClient:
         self.observers: list[Observer] = [self.metrics, self.telemetry, RequestLog(tokenizer, log_text), TargetLog()]
         if tracing is not None:
             self.observers.append(tracing)
-        if remote is not None:
-            self.step_loop = remote(self)
-        else:
-            assert engine is not None
-            self.step_loop = StepLoop(engine, self._on_step, self._on_fatal)
+        self.backend = backend
         self.accepting = False
         self.fatal: str | None = None  # why the engine stopped for good, once it has
-        self.on_fatal: Callable[[str], None] | None = None  # the server exits non-zero
+        self.on_engine_failed: Callable[[str], None] | None = None  # the server exits non-zero
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -83,7 +78,7 @@ class EngineClient:
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.step_loop.start()
+        self.backend.start(self)
         self.accepting = True
 
     async def drain(self, timeout_s: float) -> None:
@@ -101,14 +96,14 @@ class EngineClient:
     def stop(self) -> None:
         self.accepting = False
         self._stopping = True
-        self.step_loop.stop()
+        self.backend.stop()
         if self.tracing is not None:
             self.tracing.shutdown()
 
     @property
     def snapshot(self) -> EngineSnapshot:
         """The engine's settings and KV counts as the step thread last published them."""
-        return self.step_loop.snapshot
+        return self.backend.snapshot
 
     @property
     def num_in_flight(self) -> int:
@@ -117,8 +112,7 @@ class EngineClient:
     @property
     def replicas(self) -> tuple[int, int] | None:
         """(ready, configured) engine replicas when they run elsewhere; None for one local engine."""
-        ready = getattr(self.step_loop, "ready_replicas", None)
-        return None if ready is None else (ready, self.step_loop.replicas)
+        return self.backend.replica_counts()
 
     def on_replicas(self, stats: list[ReplicaStats]) -> None:
         """The replicas' latest reports (scale-out), for the observers."""
@@ -128,11 +122,11 @@ class EngineClient:
     def ready(self) -> bool:
         """Step thread alive, and (with work in flight) iterating within the last 30 s;
         with replicas, at least one of them reporting."""
-        if self.fatal is not None or not self.step_loop.alive:
+        if self.fatal is not None or not self.backend.alive:
             return False
         if self.replicas is not None and self.replicas[0] == 0:
             return False
-        last = max(self.step_loop.last_step_ns, self._last_submit_ns)
+        last = max(self.backend.last_step_ns, self._last_submit_ns)
         return not self._streams or time.perf_counter_ns() - last < 30e9
 
     # -- requests ----------------------------------------------------------
@@ -214,7 +208,7 @@ class EngineClient:
     def _queue(self, request: Request, req: GenerateRequest) -> RequestStream:
         request_id = request.request_id
         try:
-            future = self.step_loop.submit(request)
+            future = self.backend.submit(request)
         except RequestRejected as exc:
             raise ProtocolError(exc.code, str(exc)) from None
         except ValueError as exc:
@@ -236,7 +230,7 @@ class EngineClient:
     def cancel(self, request_id: str) -> None:
         """Abort in the engine (KV freed there); the stream ends with reason 'abort'."""
         if request_id in self._streams:
-            self.step_loop.abort(request_id)
+            self.backend.abort(request_id)
 
     def cut_off(self, request_id: str, **why: object) -> None:
         """A reader too slow for its stream: it ends with ``slow_consumer``, its KV is freed."""
@@ -252,14 +246,14 @@ class EngineClient:
             await anyio.sleep(period_s)
             if self.fatal is not None or self._stopping:
                 continue
-            busy = self.step_loop.busy_since_ns
-            if not self.step_loop.alive:
+            busy = self.backend.busy_since_ns
+            if not self.backend.alive:
                 self._fail_engine("the step thread exited")
             elif busy and time.perf_counter_ns() - busy > self.settings.stuck_iteration_s * 1e9:
                 self._fail_engine(f"an iteration has run for over {self.settings.stuck_iteration_s:g} s")
 
-    def _on_fatal(self, reason: str) -> None:
-        """Step thread: the engine stopped for good."""
+    def on_fatal(self, reason: str) -> None:
+        """Any thread: the engine stopped for good."""
         self._call_soon(self._fail_engine, reason)
 
     def _fail_engine(self, reason: str) -> None:
@@ -271,16 +265,16 @@ class EngineClient:
         log.critical("engine_failed", reason=reason, in_flight=len(self._streams))
         for request_id in list(self._streams):
             self._fail(request_id, FinishReason.ERROR)
-        if self.on_fatal is not None:
-            self.on_fatal(reason)
+        if self.on_engine_failed is not None:
+            self.on_engine_failed(reason)
 
     # -- step thread -> loop -----------------------------------------------
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
 
-    def _on_step(self, out: StepOutput) -> None:
-        """Step thread: one thread-safe call per iteration."""
+    def on_step(self, out: StepOutput) -> None:
+        """Any thread: one thread-safe call per iteration."""
         self._call_soon(self._fan_out, out)
 
     def _observe(self, event: Callable[[Observer], None]) -> None:
@@ -339,4 +333,4 @@ class EngineClient:
         self._unstarted.discard(request_id)
         if stream is not None:
             stream.fail(reason)
-            self.step_loop.abort(request_id)
+            self.backend.abort(request_id)

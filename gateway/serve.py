@@ -90,7 +90,7 @@ class DrainingServer(uvicorn.Server):
         self.send_buffer_bytes = send_buffer_bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
-        client.on_fatal = self._engine_failed
+        client.on_engine_failed = self._engine_failed
 
     def _engine_failed(self, reason: str) -> None:
         """Exit soon, not at once: error frames flush and health probes see the 503."""

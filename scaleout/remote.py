@@ -38,6 +38,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from core.cluster.stats import ReplicaStats
 from core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput, check_request
 from core.sched.request import FinishReason, Request, RequestStatus
+from gateway.backend import EngineListener
 from scaleout.board import BOARD, PREFILL_BOARD
 from scaleout.clock import shift, wall_offset_ns
 from scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
@@ -79,8 +80,6 @@ class RemoteEngine:
         spec: ReplicaSpec,
         replicas: int,
         vocab_size: int,
-        on_step: Callable[[StepOutput], None],
-        on_replicas: Callable[[list[ReplicaStats]], None],
         traceparent: Callable[[str], str | None] = lambda request_id: None,
         prefill: DeploymentHandle | None = None,
     ) -> None:
@@ -90,8 +89,7 @@ class RemoteEngine:
         self.config, self.warnings = spec.scheduler.validated()
         self.config_version = 0
         self.vocab_size = vocab_size
-        self.on_step = on_step
-        self.on_replicas = on_replicas
+        self.listener: EngineListener | None = None  # given at start
         self.traceparent = traceparent  # the request's root span, which the replica's span joins
         self.ingress = uuid.uuid4().hex  # this gateway, to the replicas
         self.last_step_ns = 0
@@ -103,9 +101,17 @@ class RemoteEngine:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._publisher: asyncio.Task[None] | None = None
 
-    # -- the StepLoop surface ----------------------------------------------
-    def start(self) -> None:
+    # -- the EngineBackend surface ------------------------------------------
+    def start(self, listener: EngineListener) -> None:
+        self.listener = listener
         self._publisher = asyncio.get_running_loop().create_task(self._publish())
+
+    def replica_counts(self) -> tuple[int, int]:
+        return self.ready_replicas, self.replicas
+
+    def _on_step(self, out: StepOutput) -> None:
+        assert self.listener is not None, "started"
+        self.listener.on_step(out)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.alive = False
@@ -250,7 +256,7 @@ class RemoteEngine:
         req = f.request
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         req.timeline.finished_ns = time.perf_counter_ns()
-        self.on_step(StepOutput(None, [RequestOutput(request_id, [], reason, req)], self.counts()))
+        self._on_step(StepOutput(None, [RequestOutput(request_id, [], reason, req)], self.counts()))
 
     # -- feeds -----------------------------------------------------------------
     async def _feed(self, replica: str) -> None:
@@ -289,7 +295,7 @@ class RemoteEngine:
             known.append(out)
         self.last_step_ns = time.perf_counter_ns()
         if known:
-            self.on_step(StepOutput(None, known, self.counts(), emit_ns))
+            self._on_step(StepOutput(None, known, self.counts(), emit_ns))
 
     def _replica_lost(self, replica: str, reason: str) -> None:
         log.warning("replica_lost", replica=replica, reason=reason)
@@ -329,6 +335,7 @@ class RemoteEngine:
             counts = self.counts()
             for _, it in iterations:
                 it = dataclasses.replace(it, start_ns=it.start_ns - self._offset, end_ns=it.end_ns - self._offset)
-                self.on_step(StepOutput(it, [], counts))
-            self.on_replicas(sorted(self._stats(), key=lambda s: s.replica))
+                self._on_step(StepOutput(it, [], counts))
+            assert self.listener is not None
+            self.listener.on_replicas(sorted(self._stats(), key=lambda s: s.replica))
             await asyncio.sleep(PUBLISH_PERIOD_S)

@@ -103,8 +103,8 @@ class EngineReplica:
         self._reports = 0
         self._aio: asyncio.AbstractEventLoop | None = None
         self.tracer = replica_tracer()
-        self.step_loop = StepLoop(self.engine, self._on_step, self._on_fatal)
-        self.step_loop.start()
+        self.step_loop = StepLoop(self.engine)
+        self.step_loop.start(self)
         log.info("replica_started", replica=self.name, kv_blocks=self.engine.kv.num_blocks)
 
     # -- the ingress's calls (the replica's event loop) -----------------------
@@ -190,7 +190,7 @@ class EngineReplica:
         return await asyncio.wrap_future(self.step_loop.abort(abort.request_id))
 
     # -- step thread -> replica event loop ----------------------------------
-    def _on_step(self, out: StepOutput) -> None:
+    def on_step(self, out: StepOutput) -> None:
         if out.iteration is not None:
             self._iterations.append(out.iteration)
         emit_ns = out.iteration.end_ns if out.iteration is not None else time.perf_counter_ns()
@@ -253,7 +253,7 @@ class EngineReplica:
         self.engine.scheduler.config = job.config
         self.step_loop.snapshot = self.engine.snapshot()
 
-    def _on_fatal(self, reason: str) -> None:
+    def on_fatal(self, reason: str) -> None:
         self.fatal = reason  # check_health fails: Serve replaces this replica
 
     # -- Serve's hooks -------------------------------------------------------

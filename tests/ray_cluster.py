@@ -53,21 +53,10 @@ class RayCluster:
         handle = app.deploy(self.spec, 2, "least_loaded" if prefill else "cost")
         prefill_handle = app.deploy(self.spec, prefill, "cost", pool="prefill") if prefill else None
 
-        def remote(client: EngineClient) -> RemoteEngine:
-            return RemoteEngine(
-                handle,
-                self.spec,
-                self.replicas,
-                self.tokenizer.vocab_size,
-                client._on_step,
-                client.on_replicas,
-                self.tracing.traceparent,
-                prefill_handle,
-            )
-
-        self.client = EngineClient(
-            None, self.tokenizer, GatewaySettings(model_name="smol"), self.tracing, remote=remote
+        self.backend = RemoteEngine(
+            handle, self.spec, self.replicas, self.tokenizer.vocab_size, self.tracing.traceparent, prefill_handle
         )
+        self.client = EngineClient(self.backend, self.tokenizer, GatewaySettings(model_name="smol"), self.tracing)
         self.server = make_server(self.client, "127.0.0.1", 0)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -18,6 +18,7 @@ from core.model.loader import load_tiny
 from core.model.model_runner import ModelRunner
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
+from core.sched.step_loop import StepLoop
 from gateway.engine_client import EngineClient
 from gateway.serve import make_server
 from gateway.settings import GatewaySettings
@@ -25,7 +26,8 @@ from gateway.settings import GatewaySettings
 
 class RunningServer:
     def __init__(self, engine: Engine, tokenizer, settings: GatewaySettings | None = None, tracing=None) -> None:
-        self.client = EngineClient(engine, tokenizer, settings or GatewaySettings(), tracing)
+        self.loop = StepLoop(engine)
+        self.client = EngineClient(self.loop, tokenizer, settings or GatewaySettings(), tracing)
         self.server = make_server(self.client, "127.0.0.1", 0)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -39,10 +41,10 @@ class RunningServer:
 
     def engine_call(self, fn):
         """Run fn on the step thread (the only thread that may touch the engine)."""
-        return self.client.step_loop.call(fn).result(10)
+        return self.loop.call(fn).result(10)
 
     def kv_used(self) -> int:
-        return self.engine_call(lambda: self.client.step_loop.engine.kv.num_used_blocks)
+        return self.engine_call(lambda: self.loop.engine.kv.num_used_blocks)
 
     def wait_kv_baseline(self, timeout: float = 10.0) -> int:
         deadline = time.monotonic() + timeout

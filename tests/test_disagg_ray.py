@@ -9,6 +9,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -228,7 +229,9 @@ class FakeHandle:
 
 def remote_engine(decode: FakeHandle, prefill: FakeHandle, outputs: list) -> RemoteEngine:
     spec = ReplicaSpec(SchedulerConfig(), sim=True)
-    return RemoteEngine(decode, spec, 2, 1000, outputs.append, lambda stats: None, prefill=prefill)  # type: ignore[arg-type]
+    engine = RemoteEngine(decode, spec, 2, 1000, prefill=prefill)  # type: ignore[arg-type]
+    engine.listener = SimpleNamespace(on_step=outputs.append, on_fatal=print, on_replicas=lambda stats: None)
+    return engine
 
 
 async def settle(condition, timeout: float = 5.0) -> None:

@@ -131,7 +131,7 @@ async def test_a_broken_engine_stops_cleanly():
 async def test_watchdog_notices_a_step_thread_that_died():
     s = sim_server()
     try:
-        s.client.step_loop.stop()  # behind the client's back: the thread just ends
+        s.loop.stop()  # behind the client's back: the thread just ends
         deadline = time.monotonic() + 5
         while s.client.fatal is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

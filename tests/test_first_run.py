@@ -98,3 +98,15 @@ def test_the_image_file_set_starts_a_server(tmp_path):
     where = "import cli, core, gateway, kernels; print(cli.__file__, core.__file__, gateway.__file__, kernels.__file__)"
     files = subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, cwd=tmp_path).stdout.split()
     assert len(files) == 4 and all(f.startswith(str(tmp_path)) for f in files), files  # not this checkout's
+
+
+def test_replicas_refuse_what_needs_a_local_engine():
+    """--token-budget auto measures this process's model: with replicas it is refused, not ignored."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "serve", "--sim", "--replicas", "2", "--token-budget", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and "need a local engine" in out.stderr, out.stderr

@@ -272,7 +272,7 @@ async def test_graceful_shutdown_finishes_or_cancels_in_flight_streams():
     deadline = time.monotonic() + 20
     while srv.thread.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert not srv.thread.is_alive() and not srv.client.step_loop.alive
+    assert not srv.thread.is_alive() and not srv.loop.alive
 
 
 async def test_per_key_token_rate_limit_answers_429_with_retry_after():

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,9 +19,13 @@ class Recorder:
         self.steps = []
         self.threads = set()
         self.done = {}
+        self.reasons = []
         self.cond = threading.Condition()
 
-    def __call__(self, out):
+    def on_fatal(self, reason):
+        self.reasons.append(reason)
+
+    def on_step(self, out):
         with self.cond:
             self.steps.append(out)
             self.threads.add(threading.current_thread().name)
@@ -40,8 +45,8 @@ def loop():
     cost = CostModel(hardware=ARTICLE_GPU.__class__("fast", 400e12, 3e12 * 5, 0.001))
     engine = Engine(SchedulerConfig(token_budget=64, max_num_seqs=16), CacheConfig(512, 4), SimRunner(cost, 4))
     rec = Recorder()
-    loop = StepLoop(engine, rec)
-    loop.start()
+    loop = StepLoop(engine)
+    loop.start(rec)
     yield loop, rec
     loop.stop()
     assert not loop.alive
@@ -98,13 +103,13 @@ def test_thread_survives_runner_and_callback_failures(loop):
     loop.submit(request("a", 4, max_tokens=2))
     rec.wait_for(lambda: "a" in rec.done)
     assert rec.done["a"].finish_reason == "error"
-    loop.on_step = lambda out: 1 / 0  # a broken consumer
+    loop.listener = SimpleNamespace(on_step=lambda out: 1 / 0, on_fatal=rec.on_fatal)  # a broken consumer
     loop.submit(request("b", 4, max_tokens=2))
     deadline = time.monotonic() + 10
     while loop.call(lambda: loop.engine.has_work).result(5):  # b ran, its outputs went to the broken consumer
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    loop.on_step = rec
+    loop.listener = rec
     loop.submit(request("c", 4, max_tokens=2))
     rec.wait_for(lambda: "c" in rec.done)
     assert loop.alive
@@ -112,8 +117,7 @@ def test_thread_survives_runner_and_callback_failures(loop):
 
 def test_a_broken_engine_fails_everything_and_nothing_waits_forever(loop):
     loop, rec = loop
-    reasons = []
-    loop.on_fatal = reasons.append
+    reasons = rec.reasons
     loop.engine.runner.execute = lambda batch: 1 / 0  # every iteration fails
     for i in range(Engine.MAX_FAILED_ITERATIONS):
         loop.submit(request(f"r{i}", 4, max_tokens=2))

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -28,24 +28,26 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 # When requests exist but none can be scheduled, wait this long for a command.
-_STALLED_WAIT_S = 0.002
+_UNSCHEDULABLE_WAIT_S = 0.002
 
 
 class EngineStopped(RuntimeError):
     """The engine cannot run commands any more (the reason is the message)."""
 
 
+class StepListener(Protocol):
+    def on_step(self, out: StepOutput) -> None:
+        """An iteration's outputs (on the step thread)."""
+
+    def on_fatal(self, reason: str) -> None:
+        """The engine stopped for good (on the step thread)."""
+
+
 class StepLoop:
-    def __init__(
-        self,
-        engine: Engine,
-        on_step: Callable[[StepOutput], None],
-        on_fatal: Callable[[str], None] = lambda reason: None,
-    ) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.snapshot: EngineSnapshot = engine.snapshot()  # replaced whole, never changed: safe to read anywhere
-        self.on_step = on_step
-        self.on_fatal = on_fatal
+        self.listener: StepListener | None = None  # given at start
         self.iterations = 0
         self.last_step_ns = 0
         self.busy_since_ns = 0  # perf_counter_ns when the running iteration began; 0 between iterations
@@ -57,9 +59,14 @@ class StepLoop:
         self._thread = threading.Thread(target=self._run, name="stallfree-step", daemon=True)
 
     # -- any thread --------------------------------------------------------
-    def start(self) -> None:
+    def start(self, listener: StepListener) -> None:
+        self.listener = listener
         self._running = True
         self._thread.start()
+
+    def replica_counts(self) -> None:
+        """One engine, in this process."""
+        return None
 
     def stop(self, timeout: float = 10.0) -> None:
         def halt() -> None:
@@ -129,12 +136,12 @@ class StepLoop:
             self._die(f"step loop failed: {exc!r}", exc)
 
     def _iterate(self) -> None:
-        stalled = False
+        unschedulable = False  # the last step had requests but could run none of them
         while self._running:
             if not self.engine.has_work:
                 self._drain(None)
             else:
-                self._drain(_STALLED_WAIT_S if stalled else 0)
+                self._drain(_UNSCHEDULABLE_WAIT_S if unschedulable else 0)
             if not self._running:
                 break
             self.busy_since_ns = time.perf_counter_ns()
@@ -148,11 +155,12 @@ class StepLoop:
             if self.engine.broken is not None:
                 self._die(self.engine.broken)
                 return
-            stalled = out is None
+            unschedulable = out is None
 
     def _publish(self, out: StepOutput) -> None:
         try:
-            self.on_step(out)
+            assert self.listener is not None
+            self.listener.on_step(out)
         except Exception:
             log.exception("on_step_failed")
 
@@ -171,4 +179,5 @@ class StepLoop:
             if out is not None:
                 self._publish(out)
         finally:
-            self.on_fatal(reason)
+            if self.listener is not None:
+                self.listener.on_fatal(reason)
