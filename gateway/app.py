@@ -85,10 +85,10 @@ async def api_config(request: Request) -> Response:
     except EngineStopped as exc:
         return error_response("unavailable", f"the engine stopped: {exc}")
     except ProtocolError as exc:
-        client.metrics.errors.labels(exc.code).inc()
+        client.report_error(exc.code)
         return error_response(exc.code, exc.message)
     except (ValueError, TypeError) as exc:
-        client.metrics.errors.labels("invalid_request").inc()
+        client.report_error("invalid_request")
         return error_response("invalid_request", str(exc))
 
 
@@ -116,11 +116,11 @@ class GuardMiddleware:
             s = self.client.settings
             why = cross_origin_refusal(headers, s.allowed_origins, s.host_names)
             if why:
-                self.client.metrics.errors.labels("forbidden").inc()
+                self.client.report_error("forbidden")
                 await JSONResponse(error_body("forbidden", why), status_code=403)(scope, receive, send)
                 return
         if self.keys and self._guarded(scope) and not key_matches(request_key(headers), self.keys):
-            self.client.metrics.errors.labels("unauthorized").inc()
+            self.client.report_error("unauthorized")
             body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return

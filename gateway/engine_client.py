@@ -1,10 +1,11 @@
 """The bridge between the event loop and the engine's step thread.
 
-``submit`` tokenizes off the event loop, queues the request on the step
-thread's inbox and returns its ``RequestStream``. The step thread's output
-callback makes exactly one ``call_soon_threadsafe`` per iteration; on the
-loop, ``_fan_out`` spreads that iteration's tokens over the streams and
-tells the observers (metrics, telemetry, traces, request log) what happened.
+``submit`` passes the request through ``Admission`` (rate, waiting room,
+tokenizing off the loop), hands it to the engine backend and returns its
+``RequestStream``. The backend reports each iteration in one call
+(``on_step``, one ``call_soon_threadsafe``); on the loop, ``_fan_out``
+spreads that iteration's tokens over the streams and tells the observers
+(metrics, telemetry, traces, request log) what happened.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ from core.cluster.stats import ReplicaStats
 from core.model.tokenizer import Tokenizer
 from core.sched.engine import EngineSnapshot, RequestOutput, RequestRejected, StepOutput
 from core.sched.request import FinishReason, Request
+from gateway.admission import Admission
 from gateway.backend import EngineBackend
 from gateway.metrics import Metrics
 from gateway.observers import Emitted, Observer, RequestLog, TargetLog
+from gateway.prompts import prompt_ids
 from gateway.protocol import GenerateRequest, ProtocolError
-from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
 from gateway.streams import RequestStream
 from gateway.telemetry import Telemetry
-from gateway.tools import template_messages
 from gateway.tracing import Tracing
 
 log = structlog.get_logger(__name__)
@@ -67,11 +68,7 @@ class EngineClient:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._unstarted: set[str] = set()  # accepted, no first token yet
-        self._tokenizing = 0  # accepted, still being tokenized
-        self._tokenizers = anyio.CapacityLimiter(settings.tokenizer_threads)
-        rate = settings.key_token_rate
-        self.rate_limit = TokenRateLimit(rate, settings.key_token_burst_s) if rate > 0 else None
+        self.admission = Admission(settings)
         self._ids = itertools.count()
         self._last_submit_ns = 0
 
@@ -133,34 +130,6 @@ class EngineClient:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def tokenize(self, work: Callable[[], T]) -> T:
-        """Chat templates and tokenization, for generations and ``/tokenize``
-        alike: admitted against ``max_waiting`` (the work counts as waiting from
-        here, so a burst cannot all slip in while tokenizing), then run in a
-        worker thread, ``tokenizer_threads`` at a time, so the event loop and
-        the step thread keep their cores."""
-        if len(self._unstarted) + self._tokenizing >= self.settings.max_waiting:
-            raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
-        self._tokenizing += 1
-        try:
-            return await anyio.to_thread.run_sync(work, limiter=self._tokenizers)
-        finally:
-            self._tokenizing -= 1
-
-    def _tokenize(self, req: GenerateRequest) -> list[int]:
-        if req.messages is not None:
-            tok, tools = self.tokenizer, req.tools
-            listing = (
-                [{"type": "function", "function": f} for f in tools.functions] if tools and tok.takes_tools else None
-            )
-            try:
-                text = tok.render_chat(template_messages(req.messages, tools, tok.takes_tools), tools=listing)
-            except Exception as exc:  # a template error is the caller's input problem
-                raise ProtocolError("invalid_request", f"chat template failed: {exc}") from None
-        else:
-            text = req.prompt or ""
-        return self.tokenizer.encode(text)
-
     async def submit(self, req: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
         """Queue a request; returns its stream and prompt length. Raises ProtocolError."""
         streams, prompt_tokens = await self.submit_choices(req, request_id, 1)
@@ -176,12 +145,9 @@ class EngineClient:
             raise ProtocolError("unavailable", f"the engine stopped: {self.fatal}")
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down")
-        if self.rate_limit is not None and (wait_s := self.rate_limit.retry_after_s(req.tenant)):
-            raise ProtocolError("overloaded", f"token rate limit of this API key; retry in {wait_s} s", None, wait_s)
-        ids = await self.tokenize(lambda: self._tokenize(req))
-        if self.rate_limit is not None and (wait_s := self.rate_limit.reserve(req.tenant, len(ids))):
-            why = f"token rate limit of this API key: {len(ids)} prompt tokens; retry in {wait_s} s"
-            raise ProtocolError("overloaded", why, None, wait_s)
+        self.admission.check_rate(req.tenant)
+        ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, req))
+        self.admission.reserve(req.tenant, len(ids))
         sampling = req.sampling
         limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:
@@ -200,8 +166,7 @@ class EngineClient:
                 for stream in streams:
                     self.cancel(stream.request_id)
                     stream.close()
-                if self.rate_limit is not None:  # nothing ran: the prompt's tokens go back
-                    self.rate_limit.charge(req.tenant, -len(ids))
+                self.admission.charge(req.tenant, -len(ids))  # nothing ran: the prompt's tokens go back
                 raise
         return streams, len(ids)
 
@@ -215,7 +180,7 @@ class EngineClient:
             raise ProtocolError("invalid_request", str(exc)) from None
         stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
         self._streams[request_id] = stream
-        self._unstarted.add(request_id)
+        self.admission.unstarted.add(request_id)
         self._last_submit_ns = time.perf_counter_ns()
         operation = "chat" if req.messages is not None else "text_completion"
         self._observe(lambda obs: obs.on_submit(request, operation, self.settings.model_name, req.traceparent))
@@ -236,8 +201,12 @@ class EngineClient:
         """A reader too slow for its stream: it ends with ``slow_consumer``, its KV is freed."""
         if request_id in self._streams:
             log.warning("slow_consumer", request_id=request_id, **why)
-            self.metrics.slow_consumers.inc()
+            self._observe(lambda obs: obs.on_cut_off(request_id))
             self._fail(request_id, FinishReason.SLOW_CONSUMER)
+
+    def report_error(self, code: str) -> None:
+        """An error answered to a client, for the observers (the errors metric)."""
+        self._observe(lambda obs: obs.on_error(code))
 
     # -- health --------------------------------------------------------------
     async def watchdog(self, period_s: float = 1.0) -> None:
@@ -316,7 +285,7 @@ class EngineClient:
             gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
             emitted.append(Emitted(o.request_id, len(o.new_token_ids), emit_ns, gap_ns, o.stalled))
             stream.last_emit_ns = emit_ns
-        self._unstarted.discard(o.request_id)
+        self.admission.unstarted.discard(o.request_id)
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
             self.cut_off(o.request_id)
         elif o.finish_reason is not None:
@@ -324,13 +293,12 @@ class EngineClient:
 
     def _finished(self, req: Request, finish_reason: FinishReason) -> None:
         """The rate limit's charge for what was generated (admission), then the observers."""
-        if self.rate_limit is not None:
-            self.rate_limit.charge(req.tenant, req.num_output_tokens)
+        self.admission.charge(req.tenant, req.num_output_tokens)
         self._observe(lambda obs: obs.on_finish(req, finish_reason))
 
     def _fail(self, request_id: str, reason: FinishReason) -> None:
         stream = self._streams.pop(request_id, None)
-        self._unstarted.discard(request_id)
+        self.admission.unstarted.discard(request_id)
         if stream is not None:
             stream.fail(reason)
             self.backend.abort(request_id)

@@ -147,6 +147,12 @@ class Metrics(Observer):
         for gauge in self.gie_kv:
             gauge.set(c.kv_used_blocks / total if total else 0.0)
 
+    def on_error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
+    def on_cut_off(self, request_id: str) -> None:
+        self.slow_consumers.inc()
+
     def on_replicas(self, stats: list[ReplicaStats]) -> None:
         names = {s.replica for s in stats}
         for gone in self._replicas - names:

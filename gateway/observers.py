@@ -56,6 +56,12 @@ class Observer:
     def on_replicas(self, stats: list[ReplicaStats]) -> None:
         """Each engine replica's latest report (scale-out only), a few times a second."""
 
+    def on_error(self, code: str) -> None:
+        """An error answered to a client (a response or a frame), by its code."""
+
+    def on_cut_off(self, request_id: str) -> None:
+        """A reader too slow for its output was cut off (its KV freed)."""
+
 
 class RequestLog(Observer):
     """One ``request_finished`` line per request; prompt and completion text

@@ -146,7 +146,7 @@ async def _handle(request: Request, chat: bool) -> Response:
             raise ProtocolError("invalid_request", "n: more than one choice with tools is not supported", param="n")
         streams, prompt_tokens = await client.submit_choices(req, request_id, n)
     except ProtocolError as exc:
-        client.metrics.errors.labels(exc.code).inc()
+        client.report_error(exc.code)
         return error_response(exc.code, exc.message, exc.retry_after_s, exc.param)
     model = body.get("model") or client.settings.model_name
     token_bytes = client.tokenizer.token_bytes
@@ -374,7 +374,7 @@ async def _respond(
                         yield _event(shape.chunk("", None, first=True))
                 async for i, item in _choice_pieces(streams, makers):
                     if isinstance(item, ProtocolError):
-                        client.metrics.errors.labels(item.code).inc()
+                        client.report_error(item.code)
                         yield _event(error_body(item.code, item.message))
                         continue
                     shape = shapes[i]
@@ -434,7 +434,7 @@ async def _respond(
     finally:
         cancel_all()
     if failure is not None:
-        client.metrics.errors.labels(failure.code).inc()
+        client.report_error(failure.code)
         return error_response(failure.code, failure.message)
     if any(c is None for c in choices):  # the client went away
         return Response(status_code=499)

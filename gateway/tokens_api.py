@@ -37,7 +37,7 @@ async def tokenize(request: Request) -> Response:
         def encode() -> list[int]:
             return tok.encode(tok.render_chat(chat) if chat is not None else prompt or "")
 
-        ids = await client.tokenize(encode)
+        ids = await client.admission.tokenize(encode)
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
     except Exception as exc:  # a template that fails on these messages is the caller's input
@@ -64,7 +64,7 @@ async def detokenize(request: Request) -> Response:
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
     try:
-        text = await client.tokenize(lambda: client.tokenizer.decode(ids))
+        text = await client.admission.tokenize(lambda: client.tokenizer.decode(ids))
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
     return JSONResponse({"prompt": text})

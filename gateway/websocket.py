@@ -89,7 +89,7 @@ class Connection:
         await self.send(self._error(code, message, gen_id, retry_after_s))
 
     def _error(self, code: str, message: str, gen_id: str | None = None, retry_after_s: int = 0) -> dict[str, Any]:
-        self.client.metrics.errors.labels(code).inc()
+        self.client.report_error(code)
         frame: dict[str, Any] = {"type": "error", "id": gen_id, "code": code, "message": message}
         if retry_after_s:
             frame["retry_after_s"] = retry_after_s
@@ -136,7 +136,7 @@ class Connection:
             if not self.settings.api_keys:
                 await self.error("invalid_request", "this server takes no API key")
             elif tenant_of(frame.get("api_key"), self.settings.api_keys) != self.tenant:
-                self.client.metrics.errors.labels("unauthorized").inc()
+                self.client.report_error("unauthorized")
                 await self.error("unauthorized", "wrong API key (this socket keeps the key it opened with)")
             else:
                 await self.send({"type": "authenticated"})

@@ -41,7 +41,7 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
         return tenant
     else:
         why = "send {'type': 'auth', 'api_key': ...} first"
-    client.metrics.errors.labels("unauthorized").inc()
+    client.report_error("unauthorized")
     await _send(ws, orjson.dumps({"type": "error", "id": None, "code": "unauthorized", "message": why}).decode())
     with contextlib.suppress(RuntimeError, OSError):
         await ws.close(code=1008)

@@ -176,7 +176,7 @@ async def test_overloaded_when_too_many_waiting():
         body = {"model": "m", "prompt": "z", "max_tokens": 1}
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
             first = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
-            while len(srv.client._unstarted) < 2:
+            while len(srv.client.admission.unstarted) < 2:
                 await asyncio.sleep(0.01)
             third = await http.post("/v1/completions", json=body)
             assert third.status_code == 429

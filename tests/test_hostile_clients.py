@@ -203,7 +203,7 @@ async def test_the_token_rate_holds_under_concurrency():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=headers) as http:
             replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
         assert sorted(r.status_code for r in replies) == [200] + [429] * 7
-        srv.client.rate_limit = TokenRateLimit(50.0)  # a full bucket again
+        srv.client.admission.rate_limit = TokenRateLimit(50.0)  # a full bucket again
         async with connect(srv.ws_url, additional_headers=headers) as ws:
             for i in range(8):
                 await send(ws, type="generate", id=f"g{i}", prompt=" hello" * 400, max_tokens=1)
