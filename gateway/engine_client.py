@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import structlog
@@ -37,7 +37,6 @@ from gateway.telemetry import Telemetry
 from gateway.tracing import Tracing
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 
 class EngineClient:
