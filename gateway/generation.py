@@ -7,14 +7,14 @@ generation the same way: a stop string cancels the engine request at once
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from core.model.detokenizer import Detokenizer
 from core.sched.batch import Logprobs
 from core.sched.request import FinishReason, Request
 from gateway.protocol import ProtocolError
-from gateway.streams import Delta
+from gateway.streams import Delta, RequestStream
 
 # The one mapping from the engine's finish reasons to what clients of both
 # APIs see: a normal end with its wire string, or an error frame/response.
@@ -62,3 +62,19 @@ class PieceMaker:
         if ids or text:
             return Piece(delta.first_index, text, ids, delta.emit_ns, logprobs=logprobs)
         return None
+
+
+def ready_pieces(stream: RequestStream, maker: PieceMaker) -> Iterator[Piece | ProtocolError]:
+    """What the stream holds now, as pieces, for either protocol's writer; the
+    last one yielded is the final piece (a finish reason) or the ProtocolError
+    that ended the generation (a slow consumer, an engine error)."""
+    while (delta := stream.get_nowait()) is not None:
+        try:
+            piece = maker.feed(delta)
+        except ProtocolError as exc:
+            yield exc
+            return
+        if piece is not None:
+            yield piece
+            if piece.finish_reason is not None:
+                return

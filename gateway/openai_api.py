@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from core.sched.request import MAX_LOGPROBS
 from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
-from gateway.generation import Piece, PieceMaker
+from gateway.generation import Piece, PieceMaker, ready_pieces
 from gateway.openai_fields import check_fields
 from gateway.openai_logprobs import LogprobsShape
 from gateway.protocol import (
@@ -322,16 +322,11 @@ async def _choice_pieces(
     ended = [False] * len(streams)
     while not all(ended):
         for i, (stream, maker) in enumerate(zip(streams, makers, strict=True)):
-            while not ended[i] and (delta := stream.get_nowait()) is not None:
-                try:
-                    piece = maker.feed(delta)
-                except ProtocolError as exc:
-                    ended[i] = True
-                    yield i, exc
-                    continue
-                if piece is not None:
-                    ended[i] = piece.finish_reason is not None
-                    yield i, piece
+            if ended[i]:
+                continue
+            for item in ready_pieces(stream, maker):
+                ended[i] = isinstance(item, ProtocolError) or item.finish_reason is not None
+                yield i, item
         if not all(ended):
             await wake[0].wait()
             wake[0] = anyio.Event()

@@ -26,7 +26,7 @@ from core.sched.timings import request_timings
 from gateway.auth import tenant_of
 from gateway.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES
 from gateway.engine_client import EngineClient
-from gateway.generation import Piece, PieceMaker
+from gateway.generation import Piece, PieceMaker, ready_pieces
 from gateway.protocol import ProtocolError, boolean, parse_generate, parse_json_object
 from gateway.streams import RequestStream
 from gateway.ws_auth import accept
@@ -234,15 +234,11 @@ class Connection:
         gen = self.gens.get(gen_id)
         if gen is None or gen.stream is None or gen.maker is None:
             return
-        while (delta := gen.stream.get_nowait()) is not None:
-            try:
-                piece = gen.maker.feed(delta)
-            except ProtocolError as exc:
+        for piece in ready_pieces(gen.stream, gen.maker):
+            if isinstance(piece, ProtocolError):
                 self.gens.pop(gen_id, None)
-                _encode(self._error(exc.code, exc.message, gen_id), out)
+                _encode(self._error(piece.code, piece.message, gen_id), out)
                 return
-            if piece is None:
-                continue
             if piece.token_ids or piece.text:
                 gen.sent_tokens += len(piece.token_ids)
                 frame = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
