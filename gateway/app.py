@@ -23,7 +23,9 @@ from core.sched.step_loop import EngineStopped
 from gateway.auth import cross_origin_refusal, key_matches, request_key
 from gateway.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
 from gateway.engine_client import EngineClient
-from gateway.openai_api import chat_completions, completions, error_response, models, read_json
+from gateway.openai_api import error_response, models, read_json
+from gateway.openai_chat import chat_completions
+from gateway.openai_completions import completions
 from gateway.protocol import ProtocolError, error_body
 from gateway.tokens_api import detokenize, tokenize
 from gateway.websocket import stream_endpoint

@@ -1,30 +1,31 @@
-"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions.
+"""What the OpenAI-compatible endpoints share: reading and checking a body,
+errors, ``/v1/models``, and answering every choice of a prompt (OpenAI's
+``n``) in one response or one SSE stream.
 
 Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), with
 ``stream_options.include_usage``. A client that disconnects aborts its
 request (and frees its KV) whether it streams or not. Which of OpenAI's
-fields are honoured is ``gateway.openai_fields``; logprobs, ``n``,
-structured output and tool calls are shaped here.
+fields are honoured is ``gateway.openai_fields``; each endpoint
+(``openai_completions``, ``openai_chat``) parses its own fields and shapes
+its own objects (``openai_shapes``).
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core.sched.request import MAX_LOGPROBS
 from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, ready_pieces
-from gateway.openai_fields import check_fields
-from gateway.openai_logprobs import LogprobsShape
+from gateway.openai_fields import NoOp, check_fields
+from gateway.openai_shapes import Shape, finish_of
 from gateway.protocol import (
     HTTP_STATUS,
     GenerateRequest,
@@ -36,8 +37,6 @@ from gateway.protocol import (
     parse_json_object,
 )
 from gateway.streams import RequestStream
-from gateway.tools import CallStream, ToolCall, Tools, forced_call, may_start_call, parse_tools, read_calls
-from gateway.tools import grammar as tool_grammar
 
 
 def error_response(code: str, message: str, retry_after_s: int = 0, param: str | None = None) -> JSONResponse:
@@ -68,8 +67,15 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [model]})
 
 
-def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRequest:
-    check_fields(body, chat)
+def parse_openai(
+    body: dict[str, Any],
+    client: EngineClient,
+    defaults: dict[str, Any],
+    fields: dict[str, str | NoOp],
+    endpoint: str,
+) -> GenerateRequest:
+    """The fields both endpoints share, checked; then the request."""
+    check_fields(body, fields, endpoint)
     boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and (
@@ -83,64 +89,37 @@ def _parse(body: dict[str, Any], client: EngineClient, chat: bool) -> GenerateRe
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise ProtocolError("invalid_request", f"{name} must be a string", param=name)
-    tools, tool_grammar = None, None
-    if chat:
-        tools, tool_grammar = _tools(body)
-        body = {**body, "logprobs": _chat_logprobs(body)}
-        body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
-        defaults: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            body = {**body, "prompt": prompt[0]}
-        defaults = {"temperature": 1.0, "max_tokens": 16}
-    req = parse_generate(body, defaults, client.snapshot.config.max_model_len)
-    req.tools = tools
-    if tool_grammar is not None:
-        if req.sampling.grammar is not None:
-            raise ProtocolError(
-                "invalid_request", "tool_choice: a forced call and a response_format", param="tool_choice"
-            )
-        req.sampling.grammar = tool_grammar
-    return req
+    return parse_generate(body, defaults, client.snapshot.config.max_model_len)
 
 
-def _tools(body: dict[str, Any]) -> tuple[Tools | None, str | None]:
-    """The offered tools and, for a required or named call, the grammar that forces it."""
-    try:
-        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
-        return tools, (tool_grammar(tools) if tools is not None else None)
-    except ValueError as exc:
-        field = str(exc).split(":", 1)[0]
-        raise ProtocolError("invalid_request", str(exc), param=field) from None
+class ShapeMaker(Protocol):
+    def __call__(
+        self,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        req: GenerateRequest,
+        token_bytes: list[bytes],
+        index: int,
+    ) -> Shape: ...
 
 
-def _chat_logprobs(body: dict[str, Any]) -> int | None:
-    """Chat's ``logprobs: true`` and ``top_logprobs: k`` as the one alternatives count (None: not asked)."""
-    asked = boolean(body, "logprobs")
-    top = integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
-    if top and not asked:
-        raise ProtocolError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
-    return top if asked else None
-
-
-async def completions(request: Request) -> Response:
-    return await _handle(request, chat=False)
-
-
-async def chat_completions(request: Request) -> Response:
-    return await _handle(request, chat=True)
-
-
-async def _handle(request: Request, chat: bool) -> Response:
+async def handle(
+    request: Request,
+    prefix: str,
+    parse: Callable[[dict[str, Any], EngineClient], GenerateRequest],
+    shape: ShapeMaker,
+) -> Response:
+    """One endpoint's request: read, parse (the endpoint's ``parse``), admit its
+    choices, then answer with one ``shape`` per choice."""
     client: EngineClient = request.app.state.client
     try:
         body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
-        req = _parse(body, client, chat)
+        req = parse(body, client)
         if req.traceparent is None:
             req.traceparent = request.headers.get("traceparent")
         req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
-        request_id = client.new_id("chatcmpl" if chat else "cmpl")
+        request_id = client.new_id(prefix)
         n = integer(body, "n", 1, 1, MAX_CHOICES) or 1
         if n > 1 and req.tools is not None:
             raise ProtocolError("invalid_request", "n: more than one choice with tools is not supported", param="n")
@@ -152,156 +131,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     token_bytes = client.tokenizer.token_bytes
     ids = [s.request_id for s in streams]
     makers = [PieceMaker(token_bytes, req.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
-
-    def shape(i: int) -> _Shape:
-        logprobs = LogprobsShape(token_bytes, chat) if req.sampling.logprobs is not None else None
-        return _Shape(request_id, model, chat, prompt_tokens, logprobs, req.tools, index=i)
-
-    return await _respond(request, client, body, streams, makers, [shape(i) for i in range(n)])
-
-
-class _Shape:
-    """Builds OpenAI response objects for one request."""
-
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        chat: bool,
-        prompt_tokens: int,
-        logprobs: LogprobsShape | None,
-        tools: Tools | None = None,
-        index: int = 0,
-    ) -> None:
-        self.id, self.model, self.chat, self.prompt_tokens = request_id, model, chat, prompt_tokens
-        self.logprobs = logprobs
-        self.tools = tools
-        self.index = index  # the choice
-        self.created = int(time.time())
-        self.completion_tokens = 0
-        self.cached_tokens = 0  # prompt tokens served from the prefix cache, known at the end
-
-    def count(self, piece: Piece) -> None:
-        self.completion_tokens += len(piece.token_ids)
-        if piece.request is not None:
-            self.cached_tokens = piece.request.num_cached_tokens
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-    def piece_logprobs(self, piece: Piece) -> dict[str, Any] | None:
-        return self.logprobs.piece(piece.token_ids, piece.logprobs) if self.logprobs is not None else None
-
-    def chunk(
-        self, text: str | None, finish: str | None, first: bool = False, logprobs: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
-            if text and not first:
-                delta["content"] = text
-            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
-
-    def call_json(self, i: int, call: ToolCall) -> dict[str, Any]:
-        return {
-            "id": f"call_{self.id}_{i}",
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
-
-    def _call_deltas(self, i: int, name: str | None, arguments: str) -> list[dict[str, Any]]:
-        """OpenAI's streamed pieces of call i: its id and name (once), then argument text."""
-        parts: list[dict[str, Any]] = []
-        if name is not None:
-            head = self.call_json(i, ToolCall(name, ""))
-            parts.append({**head, "index": i})
-        if arguments:
-            parts.append({"index": i, "function": {"arguments": arguments}})
-        chunks = []
-        for part in parts:
-            chunk = self.chunk(None, None)
-            chunk["choices"][0]["delta"] = {"tool_calls": [part]}
-            chunks.append(chunk)
-        return chunks
-
-    def call_stream_chunks(self, call: CallStream, text: str, last: bool) -> list[dict[str, Any]]:
-        """A forced call's pieces for this much more text: its id and name once, then its arguments."""
-        name, arguments = call.feed(text)
-        return self._call_deltas(0, name, arguments + (call.finish() if last else ""))
-
-    def call_chunks(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        """Calls read from a finished reply, each as OpenAI streams it."""
-        return [chunk for i, call in enumerate(calls) for chunk in self._call_deltas(i, call.name, call.arguments)]
-
-    def whole(self, text: str, finish: str) -> dict[str, Any]:
-        logprobs = self.logprobs.whole if self.logprobs is not None else None
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                if self.tools.forced:  # the reply is the call; cut short (length), it is no call and no text
-                    forced = forced_call(text)
-                    text, calls = "", [forced] if forced is not None else []
-                    message["content"] = None
-                else:
-                    text, calls = read_calls(text)
-                if calls:
-                    message = {"role": "assistant", "content": text or None}
-                    message["tool_calls"] = [self.call_json(i, c) for i, c in enumerate(calls)]
-                    finish = "tool_calls"
-            choice = {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-            kind = "chat.completion"
-        else:
-            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            kind = "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
-
-
-class _HeldText:
-    """A chat reply's text held back while it may still be a tool call (all of
-    it when a call is forced), so a call is never streamed as content."""
-
-    def __init__(self, tools: Tools | None) -> None:
-        self.tools = tools
-        self.text = ""
-        self.holding = tools is not None
-
-    def feed(self, text: str) -> str:
-        """What may be streamed now."""
-        if not self.holding or self.tools is None:
-            return text
-        self.text += text
-        if self.tools.forced or may_start_call(self.text):
-            return ""
-        self.holding = False
-        text, self.text = self.text, ""
-        return text
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        text, self.text = self.text, ""
-        return read_calls(text)
-
-
-def _finish(piece: Piece) -> str:
-    """``stop``, ``length``, or ``cancelled`` for a request cancelled by the
-    server (drain on shutdown): never ``stop`` for text that did not end.
-    OpenAI's Python and JS clients pass finish reasons through unvalidated."""
-    return piece.finish_reason or "stop"
+    shapes = [shape(request_id, model, prompt_tokens, req, token_bytes, i) for i in range(n)]
+    return await _respond(request, client, body, streams, makers, shapes)
 
 
 MAX_CHOICES = 16
@@ -338,7 +169,7 @@ async def _respond(
     body: dict[str, Any],
     streams: list[RequestStream],
     makers: list[PieceMaker],
-    shapes: list[_Shape],
+    shapes: list[Shape],
 ) -> Response:
     """Every choice of one prompt (OpenAI's ``n``), in one response or one
     interleaved SSE stream (``data: {...}`` chunks, then ``data: [DONE]``).
@@ -361,40 +192,18 @@ async def _respond(
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[bytes]:
-            held = [_HeldText(shape.tools) for shape in shapes]
-            calls = [CallStream() if shape.tools is not None and shape.tools.forced else None for shape in shapes]
             try:
-                if shapes[0].chat:
-                    for shape in shapes:
-                        yield _event(shape.chunk("", None, first=True))
+                for shape in shapes:
+                    for chunk in shape.opening():
+                        yield _event(chunk)
                 async for i, item in _choice_pieces(streams, makers):
                     if isinstance(item, ProtocolError):
                         client.report_error(item.code)
                         yield _event(error_body(item.code, item.message))
                         continue
-                    shape = shapes[i]
-                    shape.count(item)
-                    finish = _finish(item) if item.finish_reason else None
-                    logprobs = shape.piece_logprobs(item)
-                    if (call := calls[i]) is not None:  # a forced call: streamed as it is generated
-                        for chunk in shape.call_stream_chunks(call, item.text, finish is not None):
-                            yield _event(chunk)
-                        if finish == "stop" and call.name is not None:  # cut by max_tokens, it stays "length"
-                            finish = "tool_calls"
-                        if finish or logprobs:
-                            yield _event(shape.chunk("", finish, logprobs=logprobs))
-                        continue
-                    text = held[i].feed(item.text)
-                    if finish is not None and held[i].text:
-                        text, found = held[i].finish()
-                        if found:
-                            if text:
-                                yield _event(shape.chunk(text, None))
-                            for chunk in shape.call_chunks(found):
-                                yield _event(chunk)
-                            text, finish = "", "tool_calls"
-                    if text or finish or logprobs:
-                        yield _event(shape.chunk(text, finish, logprobs=logprobs))
+                    shapes[i].count(item)
+                    for chunk in shapes[i].stream(item):
+                        yield _event(chunk)
                 if include_usage:
                     yield _event({**shapes[0].chunk(None, None), "choices": [], "usage": usage()})
                 yield b"data: [DONE]\n\n"
@@ -424,7 +233,7 @@ async def _respond(
                 shapes[i].count(item)
                 shapes[i].piece_logprobs(item)
                 if item.finish_reason:
-                    choices[i] = shapes[i].whole("".join(parts[i]), _finish(item))["choices"][0]
+                    choices[i] = shapes[i].whole("".join(parts[i]), finish_of(item))["choices"][0]
             tg.cancel_scope.cancel()
     finally:
         cancel_all()

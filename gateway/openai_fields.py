@@ -105,10 +105,8 @@ COMPLETIONS: dict[str, str | NoOp] = {
 }
 
 
-def check_fields(body: dict[str, Any], chat: bool) -> None:
-    """Refuse unknown fields and values we would not honour, naming the field."""
-    fields = CHAT if chat else COMPLETIONS
-    endpoint = "chat completions" if chat else "completions"
+def check_fields(body: dict[str, Any], fields: dict[str, str | NoOp], endpoint: str) -> None:
+    """Refuse unknown fields and values we would not honour, naming the field (CHAT or COMPLETIONS)."""
     for name, value in body.items():
         rule = fields.get(name)
         if rule is None:

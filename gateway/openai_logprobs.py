@@ -13,21 +13,52 @@ from core.sched.batch import Logprobs
 
 
 class LogprobsShape:
-    def __init__(self, token_bytes: list[bytes], chat: bool) -> None:
+    """One endpoint's logprobs for one choice: each piece's, and all of them (``whole``)."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
         self.token_bytes = token_bytes
-        self.chat = chat
-        self.offset = 0  # characters of completion text so far (completions' text_offset)
-        self.whole: dict[str, Any] = {"content": []} if chat else _empty_completion()
+        self.whole: dict[str, Any] = {}
 
     def piece(self, token_ids: list[int], logprobs: list[Logprobs] | None) -> dict[str, Any] | None:
         """This piece's logprobs (None when the request did not ask); also kept for ``whole``."""
+        raise NotImplementedError
+
+    def _text(self, token: int) -> str:
+        return self.token_bytes[token].decode("utf-8", errors="replace")
+
+
+class ChatLogprobs(LogprobsShape):
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        super().__init__(token_bytes)
+        self.whole = {"content": []}
+
+    def piece(self, token_ids: list[int], logprobs: list[Logprobs] | None) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        if self.chat:
-            content = [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
-            self.whole["content"] += content
-            return {"content": content}
-        part = _empty_completion()
+        content = [self._entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
+        self.whole["content"] += content
+        return {"content": content}
+
+    def _entry(self, token: int, lp: Logprobs) -> dict[str, Any]:
+        top = [{"token": self._text(t), "logprob": v, "bytes": list(self.token_bytes[t])} for t, v in lp.top]
+        return {
+            "token": self._text(token),
+            "logprob": lp.logprob,
+            "bytes": list(self.token_bytes[token]),
+            "top_logprobs": top,
+        }
+
+
+class CompletionLogprobs(LogprobsShape):
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        super().__init__(token_bytes)
+        self.offset = 0  # characters of completion text so far (text_offset)
+        self.whole = _empty()
+
+    def piece(self, token_ids: list[int], logprobs: list[Logprobs] | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        part = _empty()
         for token, lp in zip(token_ids, logprobs, strict=True):
             text = self._text(token)
             part["tokens"].append(text)
@@ -39,18 +70,6 @@ class LogprobsShape:
             self.whole[key] += values
         return part
 
-    def _text(self, token: int) -> str:
-        return self.token_bytes[token].decode("utf-8", errors="replace")
 
-    def _chat_entry(self, token: int, lp: Logprobs) -> dict[str, Any]:
-        top = [{"token": self._text(t), "logprob": v, "bytes": list(self.token_bytes[t])} for t, v in lp.top]
-        return {
-            "token": self._text(token),
-            "logprob": lp.logprob,
-            "bytes": list(self.token_bytes[token]),
-            "top_logprobs": top,
-        }
-
-
-def _empty_completion() -> dict[str, Any]:
+def _empty() -> dict[str, Any]:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
