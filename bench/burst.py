@@ -19,7 +19,7 @@ import sys
 
 import httpx
 
-from bench.loadgen import Job, PromptMaker, StallfreeTarget, run_jobs, summarize
+from bench.loadgen import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 from bench.record import dated
 from bench.servers import start_stallfree, stop
 from core.model.gguf import GGUFFile
@@ -46,8 +46,8 @@ def main() -> None:
                 seed += 1
                 make = PromptMaker(tokenizer, seed)
                 decode_tokens = 40 + args.prompts * args.tokens // 40
-                jobs = [Job(0.0, make(32), decode_tokens, "decoder") for _ in range(args.decoders)]
-                jobs += [Job(2.0, make(args.tokens), 8, "long") for _ in range(args.prompts)]
+                jobs = [Arrival(0.0, make(32), decode_tokens, "decoder") for _ in range(args.decoders)]
+                jobs += [Arrival(2.0, make(args.tokens), 8, "long") for _ in range(args.prompts)]
                 results = asyncio.run(run_jobs(target, jobs))
                 long_ttft = sorted(r.ttft_s * 1e3 for r in results if r.job.group == "long" and r.ttft_s)
                 dec = summarize(results, "decoder")

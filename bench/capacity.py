@@ -51,7 +51,7 @@ import httpx
 import torch
 
 from bench.load_report import replay_jobs
-from bench.loadgen import Job, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
+from bench.loadgen import Arrival, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
 from bench.record import OUT, dated, describe, machine
 from bench.servers import ROOT, VLLM, free_port, start_stallfree, start_vllm, stop
 from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
@@ -225,7 +225,7 @@ def decode_gap_ms(target: OpenAITarget, tokenizer: Tokenizer, repeats: int = 2) 
     gaps = []
     for seed in range(repeats):
         make = PromptMaker(tokenizer, 1000 + seed)
-        jobs = [Job(0.0, make(64), 96, "decoder") for _ in range(8)]
+        jobs = [Arrival(0.0, make(64), 96, "decoder") for _ in range(8)]
         results = asyncio.run(run_jobs(target, jobs))
         gaps.append(summarize(results)["itl_p50_ms"])
     return statistics.median(gaps)

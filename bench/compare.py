@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.loadgen import Job, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
+from bench.loadgen import Arrival, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
 from bench.record import OUT, dated, describe, machine
 from bench.servers import VLLM, free_port, start_stallfree, start_vllm, stop
 from core.model.gguf import GGUFFile
@@ -62,8 +62,8 @@ def start_engine_stallfree(log: Path, dtype: str) -> tuple[subprocess.Popen, int
     )
 
 
-def decode_jobs(make: PromptMaker, streams: int) -> list[Job]:
-    return [Job(0.0, make(64), 128, "decoder") for _ in range(streams)]
+def decode_jobs(make: PromptMaker, streams: int) -> list[Arrival]:
+    return [Arrival(0.0, make(64), 128, "decoder") for _ in range(streams)]
 
 
 def run(target, jobs) -> tuple[dict, list]:

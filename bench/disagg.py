@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import Job, PromptMaker, Result, StallfreeTarget, run_jobs
+from bench.loadgen import Arrival, PromptMaker, Result, StallfreeTarget, run_jobs
 from bench.record import dated, describe, machine
 from bench.servers import start_stallfree, stop
 from core.analysis.disagg_plan import Link
@@ -164,9 +164,9 @@ def run(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list[dict[str, 
                 if rep == 0:
                     texts[setup] = greedy(port, greedy_prompts)
                 make = PromptMaker(tokenizer, 100 + rep)
-                jobs = [Job(at, make(prompt), out, group) for at, group, prompt, out in workload(args)]
+                jobs = [Arrival(at, make(prompt), out, group) for at, group, prompt, out in workload(args)]
                 target = StallfreeTarget(f"ws://127.0.0.1:{port}/v1/stream")
-                asyncio.run(run_jobs(target, [Job(0.0, make(args.long_tokens), 2, "warm-up") for _ in range(2)]))
+                asyncio.run(run_jobs(target, [Arrival(0.0, make(args.long_tokens), 2, "warm-up") for _ in range(2)]))
                 results = asyncio.run(run_jobs(target, jobs))
             finally:
                 stop(server)

@@ -19,7 +19,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.loadgen import (
-    Job,
+    Arrival,
     OpenAITarget,
     PromptMaker,
     QueueWaitProbe,
@@ -45,7 +45,7 @@ def workload(args: argparse.Namespace) -> str:
     return args.workload or ("trace" if args.trace else "interference")
 
 
-def make_jobs(args: argparse.Namespace, tokenizer: Tokenizer, seed: int) -> list[Job]:
+def make_jobs(args: argparse.Namespace, tokenizer: Tokenizer, seed: int) -> list[Arrival]:
     rng = random.Random(seed)
     kind = workload(args)
     if kind == "trace":
@@ -59,7 +59,7 @@ def make_jobs(args: argparse.Namespace, tokenizer: Tokenizer, seed: int) -> list
         )
     times = arrivals(kind, args.requests, args.rate or 2.0, rng)
     lengths = prompt_lengths(args.prompt, args.requests, rng)
-    return [Job(t, make(n), args.output_tokens) for t, n in zip(times, lengths, strict=True)]
+    return [Arrival(t, make(n), args.output_tokens) for t, n in zip(times, lengths, strict=True)]
 
 
 def target_for(args: argparse.Namespace) -> Target:
@@ -77,7 +77,7 @@ def metrics_url(target: str) -> str:
 
 
 def replay_jobs(
-    target: Target, jobs: list[Job], url: str | None = None, deadline_s: float | None = None
+    target: Target, jobs: list[Arrival], url: str | None = None, deadline_s: float | None = None
 ) -> tuple[list[Result], float | None]:
     """Run the jobs (a progress bar on stderr; those not done ``deadline_s`` after
     the start are cancelled); with ``url``, the median queue wait the server's

@@ -1,6 +1,6 @@
 """Load generation: workloads, two client protocols, and per-token arrival times.
 
-A ``Job`` is one request to send at ``at_s``; a target (this server over
+A ``Arrival`` is one request to send at ``at_s``; a target (this server over
 WebSocket, or any OpenAI-compatible server over HTTP/SSE, so vLLM and SGLang
 are measured the same way) runs it and records the arrival time of every
 token event at the client, and what the server reports of it: its prompt
@@ -83,7 +83,7 @@ WORDS = (
 
 
 @dataclass(slots=True)
-class Job:
+class Arrival:
     at_s: float
     prompt: str
     max_tokens: int
@@ -93,7 +93,7 @@ class Job:
 
 @dataclass(slots=True)
 class Result:
-    job: Job
+    job: Arrival
     sent_s: float
     token_s: list[float] = field(default_factory=list)  # arrival of each token event, seconds since start
     prompt_tokens: int = 0
@@ -187,22 +187,22 @@ class WordPrompts:
         return "".join(self.words[i] for i in ids)
 
 
-def trace_jobs(requests: list[TraceRequest], prompts: WordPrompts) -> list[Job]:
+def trace_jobs(requests: list[TraceRequest], prompts: WordPrompts) -> list[Arrival]:
     """A replayed trace window (``core.analysis.traces.replay``) as jobs of exact lengths."""
-    return [Job(r.at_s, prompts(r), r.output_tokens, prompt_tokens=r.prompt_tokens) for r in requests]
+    return [Arrival(r.at_s, prompts(r), r.output_tokens, prompt_tokens=r.prompt_tokens) for r in requests]
 
 
 def interference_jobs(
     make: PromptMaker, streams: int, long_prompts: int, long_tokens: int, delay_s: float, decode_tokens: int
-) -> list[Job]:
+) -> list[Arrival]:
     """N streams decoding, then long prompts arriving while they run."""
-    jobs = [Job(0.0, make(32), decode_tokens, "decoder") for _ in range(streams)]
-    jobs += [Job(delay_s, make(long_tokens), 8, "long") for _ in range(long_prompts)]
+    jobs = [Arrival(0.0, make(32), decode_tokens, "decoder") for _ in range(streams)]
+    jobs += [Arrival(delay_s, make(long_tokens), 8, "long") for _ in range(long_prompts)]
     return jobs
 
 
 class Target(Protocol):
-    async def run(self, job: Job, t0: float) -> Result: ...
+    async def run(self, job: Arrival, t0: float) -> Result: ...
 
 
 class StallfreeTarget:
@@ -211,7 +211,7 @@ class StallfreeTarget:
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.url, self.api_key = url, api_key
 
-    async def run(self, job: Job, t0: float) -> Result:
+    async def run(self, job: Arrival, t0: float) -> Result:
         res = Result(job, time.perf_counter() - t0)
         frame = {
             "type": "generate",
@@ -269,7 +269,7 @@ class OpenAITarget:
             }
         return self._clients[loop]
 
-    async def run(self, job: Job, t0: float) -> Result:
+    async def run(self, job: Arrival, t0: float) -> Result:
         res = Result(job, time.perf_counter() - t0)
         body = {
             "model": self.model,
@@ -304,7 +304,7 @@ class OpenAITarget:
 
 async def run_jobs(
     target: Target,
-    jobs: list[Job],
+    jobs: list[Arrival],
     progress: Callable[[int, int], None] | None = None,
     deadline_s: float | None = None,
 ) -> list[Result]:
@@ -314,7 +314,7 @@ async def run_jobs(
     t0 = time.perf_counter()
     done = 0
 
-    async def one(job: Job) -> Result:
+    async def one(job: Arrival) -> Result:
         nonlocal done
         await asyncio.sleep(max(0.0, job.at_s - (time.perf_counter() - t0)))
         res = await target.run(job, t0)

@@ -21,7 +21,7 @@ import sys
 
 import httpx
 
-from bench.loadgen import Job, PromptMaker, StallfreeTarget, run_jobs, summarize
+from bench.loadgen import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 from bench.record import dated, describe, machine
 from bench.servers import start_stallfree, stop
 from core.model.gguf import GGUFFile
@@ -48,9 +48,9 @@ def main() -> None:
             for mode, threshold in MODES.items():
                 httpx.put(url + "/api/config", json={"long_prefill_tokens": threshold}, timeout=60)
                 make = PromptMaker(tokenizer, 1000 + rep)
-                jobs = [Job(0.0, make(32), 400, "decoder") for _ in range(4)]
-                jobs.append(Job(1.0, make(args.long_tokens), 4, "long"))
-                jobs += [Job(1.3, make(args.short_tokens), 4, "short") for _ in range(args.shorts)]
+                jobs = [Arrival(0.0, make(32), 400, "decoder") for _ in range(4)]
+                jobs.append(Arrival(1.0, make(args.long_tokens), 4, "long"))
+                jobs += [Arrival(1.3, make(args.short_tokens), 4, "short") for _ in range(args.shorts)]
                 results = asyncio.run(run_jobs(target, jobs))
                 long = next(r for r in results if r.job.group == "long")
                 shorts = [r.ttft_s * 1e3 for r in results if r.job.group == "short" and r.ttft_s]

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
     from gateway.auth import WILDCARD_HOSTS
     from gateway.connections import raise_file_limit
     from gateway.engine_client import EngineClient
-    from gateway.serve import log_startup, make_server
+    from gateway.server import log_startup, make_server
     from gateway.settings import GatewaySettings
     from gateway.tracing import Tracing
 

@@ -4,7 +4,7 @@ Client -> server: ``generate``, ``cancel``, ``ping``, ``auth`` (see ``ws_auth``)
 Server -> client: ``accepted``, ``token``, ``done``, ``error``, ``pong``.
 A disconnect aborts every generation of the connection at once.
 
-One writer task per connection drains all of its generations' streams when
+One writer task per connection empties all of its generations' streams when
 any of them has output (one wake-up per connection per iteration, not one
 per generation), detokenizes synchronously and writes all the frames in one
 write to the socket where the server offers it (``SEND_FRAMES``).
@@ -60,7 +60,7 @@ class Connection:
         self.gens: dict[str, _Generation] = extensions.get(OPEN_GENERATIONS, {})
         self.tenant = tenant  # the API key's id ("" without keys)
         self.closed = False
-        self._ready: dict[str, None] = {}  # generations with output to drain, in order
+        self._ready: dict[str, None] = {}  # generations with output to send, in order
         self._wake = anyio.Event()
         # the client's reading: bytes it has not taken, and when that last shrank
         self._unacked: Callable[[], int] | None = extensions.get(UNACKED_BYTES)
@@ -206,7 +206,7 @@ class Connection:
             ready, self._ready = self._ready, {}
             out: list[bytes] = []
             for gen_id in ready:
-                self._drain(gen_id, out)
+                self._encode_output(gen_id, out)
             await self._write(out)
 
     def _reader_stalled(self) -> bool:
@@ -228,7 +228,7 @@ class Connection:
             if gen.request_id is not None:
                 self.client.cut_off(gen.request_id, unacked_bytes=self._last_unacked)
 
-    def _drain(self, gen_id: str, out: list[bytes]) -> None:
+    def _encode_output(self, gen_id: str, out: list[bytes]) -> None:
         """Encode what the generation has produced onto ``out`` (nothing here awaits,
         so frames from one wake-up go out together and in order)."""
         gen = self.gens.get(gen_id)

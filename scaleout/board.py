@@ -1,6 +1,6 @@
 """The gateway process's view of the replicas, as their last reports said.
 
-Serve's router (``scaleout.router``) posts each replica's routing report
+Serve's router (``scaleout.request_router``) posts each replica's routing report
 on its pool's board; ``RemoteEngine`` reads the boards for counts,
 readiness, metrics and the dashboard's iterations.
 """

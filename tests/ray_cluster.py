@@ -10,7 +10,7 @@ import pytest
 
 from core.sched.config import SchedulerConfig
 from gateway.engine_client import EngineClient
-from gateway.serve import make_server
+from gateway.server import make_server
 from gateway.settings import GatewaySettings
 from gateway.tracing import Tracing
 from scaleout import app

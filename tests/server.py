@@ -20,7 +20,7 @@ from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.step_loop import StepLoop
 from gateway.engine_client import EngineClient
-from gateway.serve import make_server
+from gateway.server import make_server
 from gateway.settings import GatewaySettings
 
 

@@ -163,14 +163,14 @@ def test_results_go_to_new_dated_files(tmp_path, monkeypatch):
 def test_jobs_past_the_deadline_are_cancelled_and_count_as_errors():
     import asyncio
 
-    from bench.loadgen import Job, Result, run_jobs, summarize
+    from bench.loadgen import Arrival, Result, run_jobs, summarize
 
     class Slow:
         async def run(self, job, t0):
             await asyncio.sleep(job.max_tokens)
             return Result(job, 0.0, token_s=[0.01, 0.02])
 
-    jobs = [Job(0.0, "a", 0), Job(0.0, "b", 30)]
+    jobs = [Arrival(0.0, "a", 0), Arrival(0.0, "b", 30)]
     results = asyncio.run(run_jobs(Slow(), jobs, deadline_s=0.2))
     assert results[0].error is None and results[1].error.startswith("not done 0.2 s")
     assert summarize(results)["errors"] == 1

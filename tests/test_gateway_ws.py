@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 from websockets.protocol import Protocol, Side, State
 
-from gateway.serve import text_frame_header
+from gateway.server import text_frame_header
 from gateway.settings import GatewaySettings
 from tests.server import ServerProcess, sim_server, tiny_server
 from tests.wsclient import check_stream, collect, recv, send

@@ -15,7 +15,7 @@ from openai import OpenAI
 from websockets.asyncio.client import connect
 
 from gateway.engine_client import EngineClient
-from gateway.serve import make_server
+from gateway.server import make_server
 from gateway.settings import GatewaySettings
 from scaleout.board import BOARD
 from scaleout.remote import RemoteEngine

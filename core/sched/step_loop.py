@@ -1,7 +1,7 @@
 """The engine's dedicated thread.
 
 Other threads never touch the engine: they put commands on a thread-safe
-inbox, which the thread drains between iterations, and read only
+inbox, which the thread empties between iterations, and read only
 ``snapshot``, which the thread replaces after every iteration and settings change.
 Each iteration's outputs go to one callback call, never one call per token.
 
@@ -118,7 +118,7 @@ class StepLoop:
         return self.call(apply)
 
     # -- the step thread ---------------------------------------------------
-    def _drain(self, wait_s: float | None) -> None:
+    def _run_commands(self, wait_s: float | None) -> None:
         """Run every queued command, first waiting up to wait_s for one
         (None: until one comes; 0: not at all)."""
         try:
@@ -139,9 +139,9 @@ class StepLoop:
         unschedulable = False  # the last step had requests but could run none of them
         while self._running:
             if not self.engine.has_work:
-                self._drain(None)
+                self._run_commands(None)
             else:
-                self._drain(_UNSCHEDULABLE_WAIT_S if unschedulable else 0)
+                self._run_commands(_UNSCHEDULABLE_WAIT_S if unschedulable else 0)
             if not self._running:
                 break
             self.busy_since_ns = time.perf_counter_ns()
