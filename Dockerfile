@@ -11,7 +11,9 @@ COPY cli cli
 COPY core core
 COPY gateway gateway
 COPY kernels kernels
-COPY bench bench
+COPY loadtest loadtest
+# production traces to replay (stallfree bench --trace); the benchmarks themselves run from a checkout
+COPY bench/traces bench/traces
 COPY scaleout scaleout
 COPY web web
 # editable: the dashboard (web/) is served from beside the source; Ray (the scale extra) is left out

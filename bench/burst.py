@@ -19,12 +19,12 @@ import sys
 
 import httpx
 
-from bench.loadgen import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 from bench.record import dated
 from bench.servers import start_stallfree, stop
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
+from loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 
 
 def main() -> None:

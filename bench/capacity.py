@@ -50,8 +50,6 @@ from typing import Any
 import httpx
 import torch
 
-from bench.load_report import replay_jobs
-from bench.loadgen import Arrival, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
 from bench.record import OUT, dated, describe, machine
 from bench.servers import ROOT, VLLM, free_port, start_stallfree, start_vllm, stop
 from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
@@ -65,6 +63,8 @@ from core.model.model_runner import resolve_dtype
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
+from loadtest.generator import Arrival, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
+from loadtest.report import replay_jobs
 
 MODEL_DIR = VLLM / "smollm2-hf"
 TRACES = ROOT / "bench" / "traces"

@@ -33,13 +33,21 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.loadgen import Arrival, OpenAITarget, PromptMaker, StallfreeTarget, interference_jobs, run_jobs, summarize
 from bench.record import OUT, dated, describe, machine
 from bench.servers import VLLM, free_port, start_stallfree, start_vllm, stop
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.model_runner import resolve_dtype
 from core.model.tokenizer import Tokenizer
+from loadtest.generator import (
+    Arrival,
+    OpenAITarget,
+    PromptMaker,
+    StallfreeTarget,
+    interference_jobs,
+    run_jobs,
+    summarize,
+)
 
 MODEL_DIR = VLLM / "smollm2-hf"
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import httpx
 
-from bench.loadgen import Arrival, PromptMaker, Result, StallfreeTarget, run_jobs
 from bench.record import dated, describe, machine
 from bench.servers import start_stallfree, stop
 from core.analysis.disagg_plan import Link
@@ -48,6 +47,7 @@ from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, Chunking, SchedulerConfig
 from core.sched.timings import percentile
+from loadtest.generator import Arrival, PromptMaker, Result, StallfreeTarget, run_jobs
 
 BUDGET = 256
 COMMON = ("--threads", "1", "--kv-cache-gib", "1", "--max-model-len", "4096", "--token-budget", str(BUDGET))

@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 
-from bench.loadgen import PromptMaker
 from bench.record import dated, describe, machine
 from core.build import ModelSettings, build_engine
 from core.model.gguf import GGUFFile
@@ -26,6 +25,7 @@ from core.model.tokenizer import Tokenizer
 from core.sched.config import SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.request import Request, SamplingParams
+from loadtest.generator import PromptMaker
 
 PROMPTS = (40, 300, 1000, 1999, 2000, 2500)  # tokens: within a block, one chunk, several; block edges
 

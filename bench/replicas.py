@@ -29,9 +29,9 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.gateway_load import run_load
-from bench.loadgen import WORDS
 from bench.record import dated, describe, machine
 from bench.servers import start_stallfree, stop
+from loadtest.generator import WORDS
 
 REPLICAS = ("--replicas", "2", "--stats-period-s", "0.5")
 

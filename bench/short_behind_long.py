@@ -21,12 +21,12 @@ import sys
 
 import httpx
 
-from bench.loadgen import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 from bench.record import dated, describe, machine
 from bench.servers import start_stallfree, stop
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
+from loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 
 MODES = {"short first": 0, "off (oldest partial first)": 1 << 20}  # long_prefill_tokens
 

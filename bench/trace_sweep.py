@@ -27,14 +27,14 @@ from typing import Any
 import httpx
 
 from bench.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
-from bench.load_report import replay_jobs
-from bench.loadgen import OpenAITarget, WordPrompts, summarize, trace_jobs
 from bench.record import OUT, dated, describe, machine
 from bench.servers import start_stallfree, stop
 from core.analysis.traces import read_trace, replay
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
+from loadtest.generator import OpenAITarget, WordPrompts, summarize, trace_jobs
+from loadtest.report import replay_jobs
 
 TBT_BUDGET = 512  # with the target: the engine's default (see bench.capacity)
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")

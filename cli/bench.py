@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.options import add_replay_args, emit
+from cli.options import add_replay_args, emit, replay_of
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> None:
     import httpx
     import orjson
 
-    from bench.load_report import format_report, markdown_report, plot_report, run_bench
+    from loadtest.report import format_report, markdown_report, plot_report, run_bench
 
+    args.replay = replay_of(args) if args.trace else None  # the trace's window, pace and scaling
     try:
         report = run_bench(args)
     except httpx.HTTPError as exc:  # the server is unreachable or refused: a message, not a traceback

@@ -133,10 +133,10 @@ def test_unreachable_target_is_a_clear_error():
 
 
 def test_prompts_are_unique_across_runs_with_the_same_seed():
-    from bench.loadgen import PromptMaker
     from core.model.gguf import GGUFFile
     from core.model.loader import embedded_model_path
     from core.model.tokenizer import Tokenizer
+    from loadtest.generator import PromptMaker
 
     tok = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
     a, b = PromptMaker(tok, seed=0), PromptMaker(tok, seed=0)
@@ -163,7 +163,7 @@ def test_results_go_to_new_dated_files(tmp_path, monkeypatch):
 def test_jobs_past_the_deadline_are_cancelled_and_count_as_errors():
     import asyncio
 
-    from bench.loadgen import Arrival, Result, run_jobs, summarize
+    from loadtest.generator import Arrival, Result, run_jobs, summarize
 
     class Slow:
         async def run(self, job, t0):

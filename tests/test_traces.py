@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import WordPrompts, trace_jobs
 from core.analysis.cost_model import CostModel
 from core.analysis.simulator import VOCAB, report, simulate, trace_arrivals
 from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
@@ -20,6 +19,7 @@ from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.timings import percentile
+from loadtest.generator import WordPrompts, trace_jobs
 
 TRACES = Path(__file__).resolve().parent.parent / "bench" / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"

@@ -18,7 +18,11 @@ from urllib.parse import urlsplit
 import httpx
 from tqdm import tqdm
 
-from bench.loadgen import (
+from core.analysis.traces import read_trace, replay
+from core.model.gguf import GGUFFile
+from core.model.loader import embedded_model_path
+from core.model.tokenizer import Tokenizer
+from loadtest.generator import (
     Arrival,
     OpenAITarget,
     PromptMaker,
@@ -34,11 +38,6 @@ from bench.loadgen import (
     summarize,
     trace_jobs,
 )
-from cli.options import replay_of
-from core.analysis.traces import read_trace, replay
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
-from core.model.tokenizer import Tokenizer
 
 
 def workload(args: argparse.Namespace) -> str:
@@ -51,7 +50,7 @@ def make_jobs(args: argparse.Namespace, tokenizer: Tokenizer, seed: int) -> list
     if kind == "trace":
         if args.trace is None:
             raise ValueError("--workload trace needs --trace FILE")
-        return trace_jobs(replay(read_trace(args.trace), replay_of(args)), WordPrompts(tokenizer, seed))
+        return trace_jobs(replay(read_trace(args.trace), args.replay), WordPrompts(tokenizer, seed))
     make = PromptMaker(tokenizer, seed)
     if kind == "interference":
         return interference_jobs(
@@ -140,7 +139,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "command": "stallfree bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
     }
     if kind == "trace":
-        report["trace"] = {"file": str(args.trace), "replay": replay_of(args).describe(), "seed": args.seed}
+        report["trace"] = {"file": str(args.trace), "replay": args.replay.describe(), "seed": args.seed}
     report["runs"] = runs
     if args.sweep:
         report["slo"] = choose_from_sweep(runs, args.tbt_slo_ms)
