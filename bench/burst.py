@@ -20,7 +20,7 @@ import sys
 import httpx
 
 from bench.record import dated
-from bench.servers import start_stallfree, stop
+from bench.servers import StallfreeServer
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=8)
     args = ap.parse_args()
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
-    server, port = start_stallfree("--threads", "1", "--token-budget", "512", "--max-model-len", "4096")
+    server = StallfreeServer("--threads", "1", "--token-budget", "512", "--max-model-len", "4096")
+    port = server.port
     rows = []
     try:
         target = StallfreeTarget(f"ws://127.0.0.1:{port}/v1/stream")
@@ -64,7 +65,7 @@ def main() -> None:
                 )
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
-        stop(server)
+        server.stop()
     command = ("python -m bench.burst " + " ".join(sys.argv[1:])).strip()
     base = dated("burst")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "args": vars(args), "rows": rows}, indent=2))

@@ -51,7 +51,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine
-from bench.servers import ROOT, VLLM, free_port, start_stallfree, start_vllm, stop
+from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
 from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from core.analysis.online_cost import OnlineCost
 from core.analysis.profiler import Profile, choose_budget
@@ -146,11 +146,12 @@ def main() -> None:
         },
         "trials": [],
     }
-    sf, sf_port = start_stallfree(
+    sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
         log=logs / "capacity-stallfree.log",
     )
+    sf_port = sf.port
     sf_url = f"http://127.0.0.1:{sf_port}"
     vl_port = free_port()
     vl = vllm_at(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
@@ -189,7 +190,7 @@ def main() -> None:
         )
     finally:
         stop(vl)
-        stop(sf)
+        sf.stop()
     doc["table"] = table(runs, slos, doc["predicted"], doc["predicted_corrected"])
     write(base, doc)
     print(base.with_suffix(".md").read_text())

@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine
-from bench.servers import VLLM, free_port, start_stallfree, start_vllm, stop
+from bench.servers import VLLM, StallfreeServer, free_port, start_vllm, stop
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.model_runner import resolve_dtype
@@ -52,8 +51,8 @@ from loadtest.generator import (
 MODEL_DIR = VLLM / "smollm2-hf"
 
 
-def start_engine_stallfree(log: Path, dtype: str) -> tuple[subprocess.Popen, int]:
-    return start_stallfree(
+def start_engine_stallfree(log: Path, dtype: str) -> StallfreeServer:
+    return StallfreeServer(
         "--model",
         str(MODEL_DIR),
         "--dtype",
@@ -120,7 +119,8 @@ def main() -> None:
         )
 
     vl_port = free_port()
-    sf, sf_port = start_engine_stallfree(logs / "stallfree.log", dtype)
+    sf = start_engine_stallfree(logs / "stallfree.log", dtype)
+    sf_port = sf.port
     vl = None
     targets = {
         "stallfree": StallfreeTarget(f"ws://127.0.0.1:{sf_port}/v1/stream"),
@@ -146,7 +146,7 @@ def main() -> None:
     finally:
         if vl is not None:
             stop(vl)
-        stop(sf)
+        sf.stop()
     write(rows, streams_kept, args, dtype)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from bench.record import dated, describe, machine
-from bench.servers import start_stallfree, stop
+from bench.servers import StallfreeServer
 from core.analysis.disagg_plan import Link
 from core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
 from core.analysis.profiler import Profile
@@ -159,7 +159,8 @@ def run(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list[dict[str, 
     greedy_prompts = [PromptMaker(tokenizer, 7)(n) for n in GREEDY_PROMPTS]
     for rep in range(args.repeats):
         for setup, extra in SETUPS.items():
-            server, port = start_stallfree(*COMMON, *extra, "--stats-period-s", "0.5")
+            server = StallfreeServer(*COMMON, *extra, "--stats-period-s", "0.5")
+            port = server.port
             try:
                 if rep == 0:
                     texts[setup] = greedy(port, greedy_prompts)
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list[dict[str, 
                 asyncio.run(run_jobs(target, [Arrival(0.0, make(args.long_tokens), 2, "warm-up") for _ in range(2)]))
                 results = asyncio.run(run_jobs(target, jobs))
             finally:
-                stop(server)
+                server.stop()
             rows.append({"setup": setup, "repeat": rep, **measured(results)})
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows, texts

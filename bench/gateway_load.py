@@ -32,12 +32,12 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine
-from bench.servers import ROOT, start_stallfree, stop
+from bench.servers import ROOT, StallfreeServer
 from core.sched.timings import percentile
 
 
-def start_server(time_scale: float, streams: int, checkout: Path) -> tuple[subprocess.Popen, int]:
-    return start_stallfree(
+def start_server(time_scale: float, streams: int, checkout: Path) -> StallfreeServer:
+    return StallfreeServer(
         "--sim",
         "--sim-time-scale",
         str(time_scale),
@@ -134,11 +134,11 @@ def main() -> None:
             for scale in [float(x) for x in args.time_scales.split(",")]:
                 for server, checkout in servers.items():
                     connections = max(1, streams // args.streams_per_connection)
-                    proc, port = start_server(scale, streams, checkout)
+                    launched = start_server(scale, streams, checkout)
                     try:
-                        result = asyncio.run(run_load(port, streams, connections, args.seconds))
+                        result = asyncio.run(run_load(launched.port, streams, connections, args.seconds))
                     finally:
-                        stop(proc)
+                        launched.stop()
                     row = {"server": server, "streams": streams, "connections": connections, "time_scale": scale}
                     rows.append({**row, "repeat": rep, **result})
                     print(json.dumps(rows[-1]), file=sys.stderr)

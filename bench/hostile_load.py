@@ -36,7 +36,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine
-from bench.servers import start_stallfree, stop
+from bench.servers import StallfreeServer
 from gateway.connections import raise_file_limit
 
 STREAMS = 4
@@ -194,22 +194,23 @@ def main() -> None:
     args = ap.parse_args()
     raise_file_limit()  # this process holds 1,200 sockets at once
     serve = ["--sim"] if args.sim else ["--threads", "1"]
-    proc, port = start_stallfree(*serve)
+    server = StallfreeServer(*serve)
+    port = server.port
     try:
-        rss = {"start": rss_mb(proc.pid)}
+        rss = {"start": rss_mb(server.proc.pid)}
         phases = []
         for _ in range(args.rounds):
             for hostile in (False, True):
                 result = asyncio.run(phase(port, hostile, args.phase_s))
                 time.sleep(12)  # the attack's idle and slowloris sockets time out (10 s)
-                result["rss_after_mb"] = round(rss_mb(proc.pid), 1)
+                result["rss_after_mb"] = round(rss_mb(server.proc.pid), 1)
                 phases.append(result)
                 print(json.dumps(result))
-        rss["end"] = rss_mb(proc.pid)
+        rss["end"] = rss_mb(server.proc.pid)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         kv_used = gauge(metrics, 'stallfree_kv_blocks{state="used"}')
     finally:
-        stop(proc)
+        server.stop()
     write(args, phases, rss, kv_used)
 
 

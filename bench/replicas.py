@@ -30,7 +30,7 @@ from websockets.asyncio.client import connect
 
 from bench.gateway_load import run_load
 from bench.record import dated, describe, machine
-from bench.servers import start_stallfree, stop
+from bench.servers import StallfreeServer
 from loadtest.generator import WORDS
 
 REPLICAS = ("--replicas", "2", "--stats-period-s", "0.5")
@@ -40,7 +40,7 @@ def hop(args: argparse.Namespace) -> list[dict]:
     rows = []
     for rep in range(args.repeats):
         for label, extra in (("1 process", ()), ("2 replicas", REPLICAS)):
-            proc, port = start_stallfree(
+            server = StallfreeServer(
                 "--sim",
                 "--max-num-seqs",
                 str(args.streams + 8),
@@ -53,9 +53,9 @@ def hop(args: argparse.Namespace) -> list[dict]:
                 *extra,
             )
             try:
-                result = asyncio.run(run_load(port, args.streams, max(1, args.streams // 20), args.seconds))
+                result = asyncio.run(run_load(server.port, args.streams, max(1, args.streams // 20), args.seconds))
             finally:
-                stop(proc)
+                server.stop()
             rows.append({"setup": label, "repeat": rep, **result})
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
@@ -103,11 +103,11 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     rows = []
     for rep in range(args.repeats):
         for label, extra in (("1 process", ()), ("2 replicas", REPLICAS)):
-            proc, port = start_stallfree("--threads", "1", "--max-num-seqs", "32", "--kv-cache-gib", "1", *extra)
+            server = StallfreeServer("--threads", "1", "--max-num-seqs", "32", "--kv-cache-gib", "1", *extra)
             try:
-                result = asyncio.run(closed_loop(port, args.clients, args.seconds))
+                result = asyncio.run(closed_loop(server.port, args.clients, args.seconds))
             finally:
-                stop(proc)
+                server.stop()
             rows.append({"setup": label, "repeat": rep, **result})
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows

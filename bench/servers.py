@@ -37,22 +37,50 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
-def start_stallfree(*serve_args: str, log: Path | None = None, checkout: Path = ROOT) -> tuple[subprocess.Popen, int]:
-    """`stallfree serve` on a free port with these options, once it is ready;
-    checkout: the source tree to run it from (another one: a before/after comparison)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "cli", "--log-level", "warning", "serve", "--port", str(port), *serve_args]
-    out = log.open("w") if log else None
-    proc = subprocess.Popen(
-        cmd,
-        cwd=checkout,
-        stdout=out,
-        stderr=subprocess.STDOUT if out else None,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True,
-    )
-    wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
-    return proc, port
+class StallfreeServer:
+    """``stallfree serve`` in its own process (and process group) on a free port,
+    ready once constructed: the one launcher of the benchmarks and the tests.
+    checkout: the source tree to run (another one: a before/after comparison);
+    log: where its output goes (default: this process's)."""
+
+    def __init__(
+        self,
+        *serve_args: str,
+        log: Path | None = None,
+        checkout: Path = ROOT,
+        env: dict[str, str] | None = None,
+        log_level: str = "warning",
+        ready_timeout_s: float = 600,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
+        cmd = [sys.executable, "-m", "cli", "--log-level", log_level, "serve", "--port", str(self.port), *serve_args]
+        out = log.open("w") if log else None
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=checkout,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env={**(env or os.environ), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        wait_ready(self.url + "/readyz", self.proc, ready_timeout_s)
+
+    def kv_used(self) -> int:
+        return int(httpx.get(self.url + "/api/config", timeout=10).json()["kv_cache"]["used_blocks"])
+
+    def wait_kv_baseline(self, timeout: float = 10.0) -> int:
+        """KV blocks in use once back to 0 (or as they stood at the deadline)."""
+        deadline = time.monotonic() + timeout
+        while (used := self.kv_used()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return used
+
+    def stop(self) -> int | None:
+        """Stop it and everything it started; its exit status."""
+        stop(self.proc)
+        return self.proc.returncode
 
 
 def start_vllm(port: int, log: Path, *flags: str) -> subprocess.Popen:
@@ -77,3 +105,4 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)

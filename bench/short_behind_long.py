@@ -22,7 +22,7 @@ import sys
 import httpx
 
 from bench.record import dated, describe, machine
-from bench.servers import start_stallfree, stop
+from bench.servers import StallfreeServer
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=40)
     args = ap.parse_args()
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
-    server, port = start_stallfree("--threads", "1", "--token-budget", "256", "--max-model-len", "4096")
+    server = StallfreeServer("--threads", "1", "--token-budget", "256", "--max-model-len", "4096")
+    port = server.port
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:
@@ -71,7 +72,7 @@ def main() -> None:
                 )
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
-        stop(server)
+        server.stop()
     m = machine()
     command = ("python -m bench.short_behind_long " + " ".join(sys.argv[1:])).strip()
     base = dated("short_behind_long")

@@ -21,8 +21,6 @@ import itertools
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -34,6 +32,8 @@ import httpx
 import orjson
 from websockets.asyncio.client import connect
 
+from bench.servers import StallfreeServer
+
 
 @dataclass
 class Tally:
@@ -42,29 +42,11 @@ class Tally:
     client: Counter[str] = field(default_factory=Counter)  # what the load itself did (storms, drops)
 
 
-class Server:
+class Server(StallfreeServer):
     """``stallfree serve --sim`` in a child process, observed through /proc."""
 
     def __init__(self, *args: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        cmd = [sys.executable, "-m", "cli", "--log-level", "error", "serve", "--sim", "--port", str(self.port)]
-        self.proc = subprocess.Popen([*cmd, *args], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError("the server exited during start-up")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.1)
+        super().__init__("--sim", *args, log_level="error")
 
     def sample(self) -> dict[str, Any]:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -75,10 +57,6 @@ class Server:
             "fds": len(os.listdir(f"/proc/{self.proc.pid}/fd")),
             "kv_used_blocks": kv["used_blocks"],
         }
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(30)
 
 
 def _generate(gen_id: str, prompt: str, max_tokens: int) -> str:

@@ -28,7 +28,7 @@ import httpx
 
 from bench.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
 from bench.record import OUT, dated, describe, machine
-from bench.servers import start_stallfree, stop
+from bench.servers import StallfreeServer
 from core.analysis.traces import read_trace, replay
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
@@ -63,7 +63,8 @@ def main() -> None:
     serve += ["--tbt-slo-ms", "100"]  # a target at start-up: the server fits (or loads) its profile
     if args.profile:
         serve += ["--profile", str(args.profile)]
-    sf, port = start_stallfree(*serve, log=logs / "trace_sweep-stallfree.log")
+    sf = StallfreeServer(*serve, log=logs / "trace_sweep-stallfree.log")
+    port = sf.port
     url = f"http://127.0.0.1:{port}"
     target = OpenAITarget(url + "/v1", "smollm2")
     runs: list[dict[str, Any]] = []
@@ -87,7 +88,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        stop(sf)
+        sf.stop()
     write(args, spec, len(window), runs)
 
 

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-import httpx
 import torch
 
 from core.build import build_sim_engine
@@ -72,39 +66,3 @@ def tiny_server(settings: GatewaySettings | None = None, **sched) -> RunningServ
     sched = {"max_num_seqs": 16, "max_model_len": 1024, **sched}
     engine = Engine(SchedulerConfig(**sched), CacheConfig(512, 16), runner)
     return RunningServer(engine, loaded.tokenizer, settings)
-
-
-class ServerProcess:
-    """``stallfree serve`` in its own process (its own GIL), for timing-sensitive tests."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        cmd = [sys.executable, "-m", "cli", "--log-level", "warning", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, cwd=cwd)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, "server exited"
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
-
-    def kv_used(self) -> int:
-        return httpx.get(self.url + "/api/config", timeout=10).json()["kv_cache"]["used_blocks"]
-
-    def wait_kv_baseline(self, timeout: float = 10.0) -> int:
-        deadline = time.monotonic() + timeout
-        while (used := self.kv_used()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return used
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(30)

@@ -17,6 +17,7 @@ import ray
 from openai import OpenAI
 from websockets.asyncio.client import connect
 
+from bench.servers import StallfreeServer
 from core.build import build_sim_engine
 from core.cluster.stats import prompt_hashes
 from core.sched.config import SchedulerConfig
@@ -167,10 +168,8 @@ async def test_serve_disaggregate_command(cluster):
     """``stallfree serve --sim --disaggregate 1:1`` joins this module's Ray
     cluster with a prefill and a decode application of its own, streams what
     colocated serving would, and removes both when it stops."""
-    from tests.server import ServerProcess
-
     address = ray.get_runtime_context().gcs_address
-    proc = ServerProcess(
+    proc = StallfreeServer(
         *("--sim", "--sim-time-scale", "0.05", "--disaggregate", "1:1", "--ray-address", address),
         *("--ray-app", "cli-disagg", "--kv-cache-gib", "0.25", "--max-num-seqs", "64", "--token-budget", "512"),
     )

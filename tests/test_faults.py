@@ -15,10 +15,11 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from bench.servers import StallfreeServer
 from core import faults
 from core.sched.engine import Engine
 from gateway.settings import GatewaySettings
-from tests.server import ServerProcess, sim_server
+from tests.server import sim_server
 from tests.wsclient import collect, recv, send
 
 
@@ -157,7 +158,7 @@ async def test_watchdog_notices_an_iteration_that_never_ends():
 @pytest.mark.slow
 def test_the_server_process_exits_non_zero_when_the_engine_breaks():
     env = {**os.environ, "STALLFREE_FAULTS": "sample:0:1000"}
-    server = ServerProcess("--sim", "--sim-time-scale", "0.02", env=env)
+    server = StallfreeServer("--sim", "--sim-time-scale", "0.02", env=env)
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["code"] == "internal"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server import ServerProcess
+from bench.servers import StallfreeServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WITHOUT_RAY = "import sys; sys.modules['ray'] = None; from cli import main; sys.exit(main(sys.argv[1:]))"
@@ -88,7 +88,7 @@ def test_the_image_file_set_starts_a_server(tmp_path):
         else:
             shutil.copy(source, tmp_path / path)
     assert not (tmp_path / "bench" / "peers").exists()
-    server = ServerProcess("--sim", cwd=tmp_path)
+    server = StallfreeServer("--sim", checkout=tmp_path)
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -13,9 +13,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 from websockets.protocol import Protocol, Side, State
 
+from bench.servers import StallfreeServer
 from gateway.server import text_frame_header
 from gateway.settings import GatewaySettings
-from tests.server import ServerProcess, sim_server, tiny_server
+from tests.server import sim_server, tiny_server
 from tests.wsclient import check_stream, collect, recv, send
 
 
@@ -90,7 +91,7 @@ async def test_slow_reader_does_not_slow_the_others():
     coalesces the slow one's tokens once its socket is full, then cuts it off
     as a slow consumer and frees its KV. The others' gaps stay as before.
     The server runs in its own process so client and server share no GIL."""
-    server = ServerProcess(
+    server = StallfreeServer(
         "--sim",
         "--sim-time-scale",
         "0.005",

@@ -15,11 +15,12 @@ import pytest
 from websockets.asyncio.client import connect
 
 from bench.hostile_load import phase, rss_mb
+from bench.servers import StallfreeServer
 from gateway.connections import raise_file_limit
 from gateway.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
-from tests.server import ServerProcess, sim_server
+from tests.server import sim_server
 from tests.wsclient import recv, send
 
 
@@ -329,7 +330,7 @@ async def test_normal_streams_keep_their_beat_through_a_mixed_hostile_load():
     done; /healthz always answers 200; KV returns to 0 and RSS to within 300 MB of where it
     started (the benchmark: +75 MB)."""
     raise_file_limit()  # this process holds ~400 sockets at once
-    server = ServerProcess("--threads", "1", "--header-timeout-s", "2")
+    server = StallfreeServer("--threads", "1", "--header-timeout-s", "2")
     try:
         rss_before = rss_mb(server.proc.pid)
         result = await phase(server.port, hostile=True, seconds=8, crowd=0.25)

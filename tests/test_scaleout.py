@@ -14,6 +14,7 @@ import ray
 from openai import OpenAI
 from websockets.asyncio.client import connect
 
+from bench.servers import StallfreeServer
 from gateway.engine_client import EngineClient
 from gateway.server import make_server
 from gateway.settings import GatewaySettings
@@ -172,10 +173,9 @@ async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_el
 async def test_serve_replicas_command_streams_and_drains_on_sigterm(cluster):
     """``stallfree serve --sim --replicas 2`` joins this module's Ray cluster,
     serves, and on SIGTERM lets the in-flight stream finish before exiting 0."""
-    from tests.server import ServerProcess
 
     address = ray.get_runtime_context().gcs_address
-    proc = ServerProcess(
+    proc = StallfreeServer(
         "--sim",
         "--sim-time-scale",
         "0.05",

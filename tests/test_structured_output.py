@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from tests.server import ServerProcess
+from bench.servers import StallfreeServer
 
 SCHEMA = {
     "type": "object",
@@ -89,7 +89,7 @@ class City(BaseModel):
 def test_the_official_client_parses_a_pydantic_model_from_the_real_model():
     from openai import OpenAI
 
-    server = ServerProcess("--dtype", "fp32", "--threads", "1")
+    server = StallfreeServer("--dtype", "fp32", "--threads", "1")
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         reply = client.beta.chat.completions.parse(
