@@ -132,3 +132,55 @@ def test_the_check_catches_torch_added_to_the_scheduler(tmp_path: Path):
     )
     found = violations("core.sched.engine", ("torch",), root=tmp_path)
     assert found == ["core.sched.engine -> torch (imported by core.sched.scheduler)"]
+
+
+# DESIGN.md: "the scheduler alone changes a request's progress" (as in vLLM v1).
+PROGRESS = {"num_computed_tokens", "status", "finish_reason", "output_token_ids"}
+PROGRESS_WRITERS = {
+    "core/sched/scheduler.py": "the scheduler",
+    "core/analysis/profiler.py": "requests built only to time the runner, never scheduled",
+    "scaleout/remote.py": "the gateway's stand-in for engines on replicas ends what a lost replica held",
+}
+
+
+def progress_writes(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """file:line of every write to a request's progress fields (by the names requests go by)."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets: list[ast.expr] = []
+                if isinstance(node, ast.Assign):
+                    targets = [t for target in node.targets for t in getattr(target, "elts", [target])]
+                elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                    targets = [node.target]
+                elif (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("append", "extend", "pop", "clear")
+                ):
+                    targets = [node.func.value]
+                if any(isinstance(t, ast.Attribute) and t.attr in PROGRESS and _a_request(t.value) for t in targets):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def _a_request(node: ast.expr) -> bool:
+    """``req``, ``request`` or ``<x>.request``: how the code names a Request (a Delta's
+    or a RequestOutput's finish_reason is no request's progress)."""
+    if isinstance(node, ast.Name):
+        return node.id in ("req", "request")
+    return isinstance(node, ast.Attribute) and node.attr == "request"
+
+
+def test_only_the_scheduler_changes_a_requests_progress():
+    packages = ("core", "gateway", "scaleout", "cli", "loadtest", "kernels")
+    writes = progress_writes(ROOT, packages)
+    assert {w.split(":")[0] for w in writes} <= set(PROGRESS_WRITERS), writes
+
+
+def test_the_progress_check_catches_a_runner_that_advances_a_request(tmp_path: Path):
+    runner = tmp_path / "core" / "model" / "runner.py"
+    runner.parent.mkdir(parents=True)
+    runner.write_text("def execute(item):\n    item.request.num_computed_tokens += item.num_tokens\n")
+    assert progress_writes(tmp_path, ("core",)) == ["core/model/runner.py:2"]
