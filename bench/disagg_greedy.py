@@ -24,6 +24,7 @@ from core.model.loader import embedded_model_path
 from core.model.tokenizer import Tokenizer
 from core.sched.config import SchedulerConfig
 from core.sched.engine import Engine
+from core.sched.handoff import KvHandoff
 from core.sched.request import Request, SamplingParams
 from loadtest.generator import PromptMaker
 
@@ -46,10 +47,10 @@ def compare(dtype: str, tokens: int, tokenizer: Tokenizer) -> list[dict]:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         ref = run(colocated, Request("c", prompt, params, 0)).output_token_ids
         head = Request("p", prompt, SamplingParams(max_tokens=1, ignore_eos=True), 0)
-        head.kv_export = True
+        head.handoff = KvHandoff(export=True)
         run(prefill, head)
         tail = Request("d", prompt, params, 0)
-        tail.kv_imported, tail.kv_payload = len(prompt) - 1, head.kv_payload
+        tail.handoff = KvHandoff(imported_tokens=len(prompt) - 1, payload=head.handoff.payload)
         got = run(decode, tail).output_token_ids
         first = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None)
         rows.append({"dtype": dtype, "prompt_tokens": len(prompt), "equal": ref == got, "first_difference": first})

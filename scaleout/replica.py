@@ -36,6 +36,7 @@ import structlog
 from core.cluster.stats import engine_stats
 from core.sched.batch import IterationRecord
 from core.sched.engine import Engine, RequestOutput, StepOutput
+from core.sched.handoff import KvHandoff
 from core.sched.request import Request, SamplingParams, Timeline
 from core.sched.step_loop import StepLoop
 from core.sched.timings import request_timings
@@ -134,8 +135,7 @@ class EngineReplica:
         req = job.request
         if job.kv is not None:  # its prompt's KV, from a prefill replica (raises if that is lost)
             start = time.perf_counter()
-            req.kv_payload = await self.transport.receive(job.kv.ticket)
-            req.kv_imported = job.kv.tokens
+            req.handoff = KvHandoff(imported_tokens=job.kv.tokens, payload=await self.transport.receive(job.kv.ticket))
             job.kv_fetch_ms = (time.perf_counter() - start) * 1e3
             job.kv = dataclasses.replace(job.kv, ticket=None)  # not pinning the payload while this decodes
         self._arrived(req)
@@ -153,7 +153,7 @@ class EngineReplica:
         self._aio = asyncio.get_running_loop()
         await self._catch_up(job)
         req = job.request
-        req.sampling, req.kv_export = SamplingParams(max_tokens=1, ignore_eos=True), True
+        req.sampling, req.handoff = SamplingParams(max_tokens=1, ignore_eos=True), KvHandoff(export=True)
         self._arrived(req)
         done = self._prefills[req.request_id] = self._aio.create_future()
         try:
@@ -164,11 +164,12 @@ class EngineReplica:
             raise
         finally:
             self._prefills.pop(req.request_id, None)
-        if req.kv_payload is None:
+        payload = req.handoff.payload if req.handoff is not None else None
+        if payload is None:
             raise RuntimeError(f"the prefill ended ({out.finish_reason}) without its KV")
         shift(req.timeline, self.wall_offset)
         self._trace(req, job.traceparent, "engine.prefill")
-        ticket = await self.transport.send(req.kv_payload)
+        ticket = await self.transport.send(payload)
         return Handoff(self.name, req.num_prompt_tokens - 1, ticket, req.timeline)
 
     async def _catch_up(self, job: Job) -> None:

@@ -1,4 +1,4 @@
-"""Prompts prefilled elsewhere (``Request.kv_imported``) and the disaggregated simulator."""
+"""Prompts prefilled elsewhere (``Request.handoff``) and the disaggregated simulator."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from core.analysis.simulator import scenario
 from core.cluster.stats import prompt_hashes
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
+from core.sched.handoff import KvHandoff
 from core.sched.request import Request, RequestStatus, SamplingParams
 
 BS = 16
@@ -34,7 +35,7 @@ def test_an_imported_prompt_goes_straight_to_decoding_on_fresh_blocks():
     engine.add_request(decoder)
     engine.step()
     req = Request("moved", prompt, SamplingParams(max_tokens=3, ignore_eos=True), 0)
-    req.kv_imported = 49
+    req.handoff = KvHandoff(imported_tokens=49)
     engine.add_request(req)
     out = engine.step()
     assert out is not None and out.iteration.prefill_tokens == 0 and out.iteration.decode_tokens == 2
@@ -49,10 +50,10 @@ def test_an_imported_prompt_goes_straight_to_decoding_on_fresh_blocks():
     assert req.num_output_tokens == 3 and engine.kv.num_used_blocks == 0
 
 
-def test_kv_imported_must_cover_all_but_the_last_token():
+def test_imported_kv_must_cover_all_but_the_last_token():
     engine = _engine()
     req = Request("bad", list(range(20)), SamplingParams(max_tokens=2), 0)
-    req.kv_imported = 10
+    req.handoff = KvHandoff(imported_tokens=10)
     with pytest.raises(ValueError, match="every token but the last"):
         engine.add_request(req)
 
@@ -98,14 +99,14 @@ def _run(engine: Engine, req: Request) -> Request:
 def _disaggregated(prefill: Engine, decode: Engine, prompt: list[int], n: int, corrupt: bool = False) -> list[int]:
     """Prefill on one engine (one token, its KV exported), decode on the other from the imported KV."""
     head = Request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True), 0)
-    head.kv_export = True
+    head.handoff = KvHandoff(export=True)
     _run(prefill, head)
-    payload = head.kv_payload
+    payload = head.handoff.payload
     assert payload is not None and prefill.kv.num_used_blocks == 0
     if corrupt:  # one token of the transferred KV wrong
         payload[1][3] += 1
     tail = Request("r", prompt, SamplingParams(max_tokens=n, ignore_eos=True), 0)
-    tail.kv_imported, tail.kv_payload = len(prompt) - 1, payload
+    tail.handoff = KvHandoff(imported_tokens=len(prompt) - 1, payload=payload)
     _run(decode, tail)
     assert decode.kv.num_used_blocks == 0
     return tail.output_token_ids

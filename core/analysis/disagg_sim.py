@@ -7,7 +7,7 @@ dropped, as vLLM's disaggregated proxy does). When it finishes, its KV (prompt
 tokens x the model's KV bytes per token) crosses that worker's link, one
 transfer at a time (bandwidth, plus latency per transfer), to the decode
 worker with the fewest requests, which admits it with the prompt's KV
-imported (``Request.kv_imported``) and decodes from its last prompt token:
+imported (``Request.handoff``, ``core.sched.handoff``) and decodes from its last prompt token:
 its first token, then the rest. Colocated: the same arrivals over P + D
 workers that each prefill (chunked, as configured) and decode.
 
@@ -25,6 +25,7 @@ from core.analysis.cost_model import CostModel
 from core.analysis.disagg_plan import Link
 from core.analysis.simulator import Arrival
 from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.handoff import KvHandoff
 from core.sched.request import Request, SamplingParams
 from core.sched.timings import percentile, request_timings, summarize
 
@@ -35,7 +36,7 @@ def _queued_tokens(worker: Worker) -> int:
     return sum(r.num_prompt_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
 
 
-def _fresh(a: Arrival, max_tokens: int, kv_imported: int = 0) -> Request:
+def _fresh(a: Arrival, max_tokens: int, imported_tokens: int = 0) -> Request:
     req = Request(
         a.request_id,
         list(a.prompt),
@@ -44,7 +45,8 @@ def _fresh(a: Arrival, max_tokens: int, kv_imported: int = 0) -> Request:
         a.priority,
         a.tenant,
     )
-    req.kv_imported = kv_imported
+    if imported_tokens:
+        req.handoff = KvHandoff(imported_tokens=imported_tokens)
     return req
 
 

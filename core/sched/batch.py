@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.sched.handoff import KvImport
 from core.sched.request import Request
 
 
@@ -25,15 +26,6 @@ class Item:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "samples", self.start + self.num_tokens == self.request.num_tokens)
-
-
-@dataclass(slots=True, frozen=True)
-class KvImport:
-    """KV computed by another engine (disaggregated prefill), to write into these blocks."""
-
-    block_ids: list[int]
-    num_tokens: int
-    payload: object  # the exporting runner's ``export_kv`` (opaque here)
 
 
 @dataclass(slots=True)

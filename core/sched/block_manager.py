@@ -200,17 +200,17 @@ class BlockManager:
         return Admitted(len(hits) * self.block_size)
 
     def admit_imported(self, req: Request, reserve_tokens: int) -> Admitted | None:
-        """Admit req with its first ``req.kv_imported`` tokens' KV computed
+        """Admit req with its first ``req.imported_tokens`` tokens' KV computed
         elsewhere (a prefill worker), or change nothing (None): fresh blocks to
         write it into, held now, and the footprint reserved."""
-        blocks = self.blocks_for(req.kv_imported)
+        blocks = self.blocks_for(req.imported_tokens)
         footprint = max(self.blocks_for(reserve_tokens), blocks)
         if footprint > self.num_free_blocks - self._unallocated_reserve:
             return None
         req.block_ids = [self._pop_free() for _ in range(blocks)]
         req.footprint_blocks = footprint
         self._unallocated_reserve += self._reserve_left(req)
-        return Admitted(req.kv_imported)
+        return Admitted(req.imported_tokens)
 
     def share(self, req: Request, head: Request, reserve_tokens: int) -> Admitted | None:
         """Admit req, another choice of head's prompt (which head has computed),

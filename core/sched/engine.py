@@ -191,12 +191,15 @@ class Engine:
             self.runner.import_kv(kv.block_ids, kv.num_tokens, kv.payload)
 
     def _export(self, batch: Batch) -> None:
-        """The KV of prompts just computed whose requests asked for it (kv_export),
+        """The KV of prompts just computed whose requests asked for it (``KvHandoff.export``),
         before they finish and free their blocks."""
         for item in batch.items:
             req = item.request
-            if req.kv_export and item.samples and req.kv_payload is None and not req.num_output_tokens:
-                req.kv_payload = self.runner.export_kv(req.block_ids, req.num_prompt_tokens - 1)
+            handoff = req.handoff
+            exporting = handoff is not None and handoff.export and handoff.payload is None
+            if exporting and item.samples and not req.num_output_tokens:
+                assert handoff is not None
+                handoff.payload = self.runner.export_kv(req.block_ids, req.num_prompt_tokens - 1)
 
     def _failed(self, batch: Batch | None, exc: Exception) -> None:
         self.failed_in_a_row += 1

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from core.sched.handoff import KvHandoff
+
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's limit
 
 
@@ -136,15 +138,7 @@ class Request:
     # another choice of the same prompt (OpenAI's n > 1): admitted once that one's
     # prompt is computed, onto its blocks (BlockManager.share), not computing it again
     prefill_after: str | None = None
-    # disaggregated prefill. A prefill worker's request sets kv_export: when its
-    # prompt is computed the engine has the runner export the KV of all but its
-    # last token into kv_payload (opaque here: the runner's own format). A
-    # decode worker's request arrives with that payload and kv_imported = those
-    # tokens; it is admitted onto fresh blocks, the runner writes the payload
-    # into them, and it decodes from the last prompt token on.
-    kv_imported: int = 0
-    kv_export: bool = False
-    kv_payload: object | None = None
+    handoff: KvHandoff | None = None  # disaggregated prefill (core.sched.handoff)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None  # set when status becomes FINISHED
@@ -160,6 +154,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.timeline = Timeline(arrival_ns=self.arrival_ns)
+
+    @property
+    def imported_tokens(self) -> int:
+        """Tokens whose KV arrived from another engine (0: none)."""
+        return self.handoff.imported_tokens if self.handoff is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

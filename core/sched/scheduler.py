@@ -38,10 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core import faults
-from core.sched.batch import Batch, Item, KvImport, NewToken, Sampled
+from core.sched.batch import Batch, Item, NewToken, Sampled
 from core.sched.block_manager import Admitted, BlockManager
 from core.sched.config import Chunking, SchedulerConfig
 from core.sched.cost import IterationCost
+from core.sched.handoff import KvImport
 from core.sched.policy import order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from core.sched.timings import percentile
@@ -105,8 +106,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if req.kv_imported and req.kv_imported != req.num_tokens - 1:
-            raise ValueError("kv_imported must cover every token but the last")
+        if req.imported_tokens and req.imported_tokens != req.num_tokens - 1:
+            raise ValueError("imported KV must cover every token but the last")
         if req.tenant not in self._active:
             # a tenant coming back starts level with the least-served active one:
             # idle time banks no credit (VTC's counter lift)
@@ -325,7 +326,7 @@ class Scheduler:
                 break
             if self._prompt_pending(req.prefill_after):
                 continue
-            if req.kv_imported and not req.num_preemptions:
+            if req.imported_tokens and not req.num_preemptions:
                 if not self._admit_imported(batch, req):
                     break
                 admitted.append(req)
@@ -371,9 +372,10 @@ class Scheduler:
         req.status = RequestStatus.DECODING
         self.running.append(req)
         self._allocate(batch, req, 1)  # within what admission reserved
-        if req.kv_payload is not None:
-            batch.imports.append(KvImport(list(req.block_ids), req.kv_imported, req.kv_payload))
-            req.kv_payload = None
+        handoff = req.handoff
+        if handoff is not None and handoff.payload is not None:
+            batch.imports.append(KvImport(list(req.block_ids), handoff.imported_tokens, handoff.payload))
+            handoff.payload = None
         batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
         return True
 
