@@ -19,7 +19,7 @@ import time
 import torch
 
 import kernels
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from core.model.model_runner import resolve_dtype
 from kernels import build_attention_meta, reference
 
@@ -90,15 +90,20 @@ def main() -> None:
         f"`{command}` on {describe(m)}; {str(dtype).removeprefix('torch.')}, {args.threads} thread(s); "
         f"9 query heads, 3 KV heads, head_dim 64; medians of {args.repeats} alternating calls.",
         "",
-        "| case | reference ms | native ms | native GFLOP/s | native KV GB/s | speed-up |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lo, hi = r["speedup_range"]
-        lines.append(
-            f"| {r['case']} | {r['reference']['ms']:.2f} | {r['native']['ms']:.2f} | {r['native']['gflops']:.1f} "
-            f"| {r['native']['kv_gb_s']:.1f} | {r['speedup']:.2f}× [{lo:.2f}–{hi:.2f}] |"
-        )
+    header = ["case", "reference ms", "native ms", "native GFLOP/s", "native KV GB/s", "speed-up"]
+    cells = [
+        [
+            r["case"],
+            f"{r['reference']['ms']:.2f}",
+            f"{r['native']['ms']:.2f}",
+            f"{r['native']['gflops']:.1f}",
+            f"{r['native']['kv_gb_s']:.1f}",
+            f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]",
+        ]
+        for r in rows
+    ]
+    lines += table(header, cells, "lrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,17 +94,22 @@ def main() -> None:
         f"Machine: {describe(m)}. Medians of {args.repeats} interleaved runs per tree; "
         "ratio = after / before; [min–max] per tree.",
         "",
-        "| row | metric | before | after | ratio |",
-        "|---|---|---:|---:|---:|",
     ]
+    cells = []
     for r in rows:
         spread_b = f"[{min(r['before']):.4g}–{max(r['before']):.4g}]"
         spread_a = f"[{min(r['after']):.4g}–{max(r['after']):.4g}]"
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "–"
-        lines.append(
-            f"| {r['row']} | {r['metric']} | {r['before_median']:.4g} {spread_b} | "
-            f"{r['after_median']:.4g} {spread_a} | {ratio} |"
+        cells.append(
+            [
+                r["row"],
+                r["metric"],
+                f"{r['before_median']:.4g} {spread_b}",
+                f"{r['after_median']:.4g} {spread_a}",
+                ratio,
+            ]
         )
+    lines += table(["row", "metric", "before", "after", "ratio"], cells, "llrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -19,7 +19,7 @@ import sys
 
 import httpx
 
-from bench.record import dated
+from bench.record import dated, table
 from bench.servers import StallfreeServer
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
@@ -75,16 +75,14 @@ def main() -> None:
         "",
         f"`{command}` — medians of {args.repeats} alternating runs.",
         "",
-        "| chunking | first TTFT ms | last TTFT ms | decoders' ITL p50 ms | p99 ms | max gap ms |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    keys = ("first_ttft_ms", "last_ttft_ms", "decoder_itl_p50_ms", "decoder_itl_p99_ms", "decoder_max_gap_ms")
+    cells = []
     for mode in ("stall_free", "none"):
         rs = [r for r in rows if r["mode"] == mode]
-        m = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("mode", "repeat")}
-        lines.append(
-            f"| {mode} | {m['first_ttft_ms']:.0f} | {m['last_ttft_ms']:.0f} | {m['decoder_itl_p50_ms']:.0f} "
-            f"| {m['decoder_itl_p99_ms']:.0f} | {m['decoder_max_gap_ms']:.0f} |"
-        )
+        cells.append([mode, *(f"{statistics.median(r[k] for r in rs):.0f}" for k in keys)])
+    header = ["chunking", "first TTFT ms", "last TTFT ms", "decoders' ITL p50 ms", "p99 ms", "max gap ms"]
+    lines += table(header, cells, "lrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

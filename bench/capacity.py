@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 import torch
 
-from bench.record import OUT, dated, describe, machine
+from bench.record import OUT, dated, describe, machine, table
 from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
 from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from core.analysis.online_cost import OnlineCost
@@ -191,7 +191,7 @@ def main() -> None:
     finally:
         stop(vl)
         sf.stop()
-    doc["table"] = table(runs, slos, doc["predicted"], doc["predicted_corrected"])
+    doc["table"] = capacity_table(runs, slos, doc["predicted"], doc["predicted_corrected"])
     write(base, doc)
     print(base.with_suffix(".md").read_text())
 
@@ -427,7 +427,7 @@ def trial_json(trial: Trial, r: Run) -> dict[str, Any]:
     return {"rate": trial.rate, "meets": trial.meets(r.search.slo), "config": r.config, **figures}
 
 
-def table(
+def capacity_table(
     runs: list[Run],
     slos: dict[str, SLO],
     predicted: dict[str, dict[str, dict[str, float]]],
@@ -483,39 +483,46 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     ]
     for name, t in doc["traces"].items():
         lines.append(f"- {name}: `{t['file']}`, {t['replay']}; the rate is what the search varies.")
-    lines += [
-        "",
-        "| trace | SLO | stallfree, TBT target | stallfree, fixed budget | vLLM, best budget | TBT target / vLLM |"
-        " simulator's prediction (TBT target, budget): the profile; corrected by what the server learnt |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+    cells = []
     for c in doc["table"]:
         tbt, fixed, vllm = c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]
         v = vllm["capacity_req_per_s"] if vllm else 0.0
-        ratio = f"{tbt['capacity_req_per_s'] / v:.2f}" if v else "–"
-        lines.append(
-            f"| {c['trace']} | {c['slo']} ({c['slo_ms']:.0f} ms) | {tbt['capacity_req_per_s']:.3g} req/s "
-            f"| {fixed['capacity_req_per_s']:.3g} req/s | {v:.3g} req/s ({vllm['engine'] if vllm else '–'}) | {ratio} "
-            f"| {tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g}; "
-            f"{tbt['predicted_corrected_req_per_s']:.3g}, {fixed['predicted_corrected_req_per_s']:.3g} req/s |"
+        predicted = (
+            f"{tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g}; "
+            f"{tbt['predicted_corrected_req_per_s']:.3g}, {fixed['predicted_corrected_req_per_s']:.3g} req/s"
         )
+        cells.append(
+            [
+                c["trace"],
+                f"{c['slo']} ({c['slo_ms']:.0f} ms)",
+                f"{tbt['capacity_req_per_s']:.3g} req/s",
+                f"{fixed['capacity_req_per_s']:.3g} req/s",
+                f"{v:.3g} req/s ({vllm['engine'] if vllm else '–'})",
+                f"{tbt['capacity_req_per_s'] / v:.2f}" if v else "–",
+                predicted,
+            ]
+        )
+    header = ["trace", "SLO", "stallfree, TBT target", "stallfree, fixed budget", "vLLM, best budget"]
+    header += [
+        "TBT target / vLLM",
+        "simulator's prediction (TBT target, budget): the profile; corrected by what the server learnt",
+    ]
+    lines += ["", *table(header, cells, "llrrrrr")]
     lines += [
         "",
         "At capacity (ms): TTFT p50 / p99, TBT p50 / p99, worst gap, scheduling delay p50.",
         "",
-        "| trace | SLO | engine | req/s | TTFT p50 | p99 | TBT p50 | p99 | worst gap | sched. p50 | trials |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for c in doc["table"]:
         for s in (c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]):
             if s is None:
                 continue
-            f = {k: s.get(k) or 0.0 for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
-            lines.append(
-                f"| {c['trace']} | {c['slo']} | {s['engine']} | {s['capacity_req_per_s']:.3g} "
-                f"| {f['ttft_p50_ms']:.0f} | {f['ttft_p99_ms']:.0f} | {f['itl_p50_ms']:.0f} | {f['itl_p99_ms']:.0f} "
-                f"| {s.get('max_gap_ms') or 0:.0f} | {s.get('queue_wait_p50_ms') or 0:.0f} | {s['trials']} |"
-            )
+            keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+            figures = [f"{s.get(k) or 0.0:.0f}" for k in keys]
+            cells.append([c["trace"], c["slo"], s["engine"], f"{s['capacity_req_per_s']:.3g}", *figures, s["trials"]])
+    header = ["trace", "SLO", "engine", "req/s", "TTFT p50", "p99", "TBT p50", "p99", "worst gap", "sched. p50"]
+    lines += table([*header, "trials"], cells, "lllrrrrrrrr")
     same = [t for t in doc["trials"] if t.get("at_vllm_capacity")]
     if same:
         lines += ["", "stallfree (TBT target) at vLLM's capacity rate, for TTFT at one rate:", ""]

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.record import OUT, dated, describe, machine
+from bench.record import OUT, dated, describe, machine, table
 from bench.servers import VLLM, StallfreeServer, free_port, start_vllm, stop
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
@@ -170,7 +170,7 @@ METRICS = [  # (phase, scenario, group, key, label, higher is better)
 
 
 def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, dtype: str) -> None:
-    table = []
+    metrics = []
     for phase, scenario, group, key, label, higher in METRICS:
         vals, runs = {}, {}
         for engine in ("stallfree", "vllm"):
@@ -181,7 +181,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
         ratios = [runs["stallfree"][i] / runs["vllm"][i] for i in runs["stallfree"] if runs["vllm"].get(i)]
         ratio = (statistics.median(ratios), min(ratios), max(ratios)) if ratios else (float("nan"),) * 3
         better = ratio[0] > 1 if higher else ratio[0] < 1
-        table.append(
+        metrics.append(
             {
                 "metric": label,
                 "stallfree": vals["stallfree"],
@@ -195,7 +195,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
     base = dated("compare")
     base.with_suffix(".json").write_text(
         json.dumps(
-            {"command": command, "machine": m, "dtype": dtype, "repeats": args.repeats, "table": table, "runs": rows},
+            {"command": command, "machine": m, "dtype": dtype, "repeats": args.repeats, "table": metrics, "runs": rows},
             indent=2,
         )
     )
@@ -205,15 +205,20 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
         f"`{command}` on {describe(m)} — medians of {args.repeats} alternating runs per engine "
         "(min–max in brackets); ratio = stallfree / vLLM per repeat, median [min–max].",
         "",
-        "| metric | stallfree | vLLM | ratio | better |",
-        "|---|---:|---:|---:|:---:|",
     ]
-    for t in table:
+    cells = []
+    for t in metrics:
         s, v, r = t["stallfree"], t["vllm"], t["ratio"]
-        lines.append(
-            f"| {t['metric']} | {s[0]:.0f} [{s[1]:.0f}–{s[2]:.0f}] | {v[0]:.0f} [{v[1]:.0f}–{v[2]:.0f}] "
-            f"| {r[0]:.2f} [{r[1]:.2f}–{r[2]:.2f}] | {'stallfree' if t['stallfree_better'] else 'vLLM'} |"
+        cells.append(
+            [
+                t["metric"],
+                f"{s[0]:.0f} [{s[1]:.0f}–{s[2]:.0f}]",
+                f"{v[0]:.0f} [{v[1]:.0f}–{v[2]:.0f}]",
+                f"{r[0]:.2f} [{r[1]:.2f}–{r[2]:.2f}]",
+                "stallfree" if t["stallfree_better"] else "vLLM",
+            ]
         )
+    lines += table(["metric", "stallfree", "vLLM", "ratio", "better"], cells, "lrrrc")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(streams, base.with_suffix(".png"))
     print("\n".join(lines))

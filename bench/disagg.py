@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from core.analysis.disagg_plan import Link
 from core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
@@ -221,13 +221,18 @@ def main() -> None:
         f"KV link probe (Ray object store, actor to actor, {probe['bytes'] / 2**20:,.1f} MiB): "
         f"{probe['median_ms']:,.1f} ms median, {probe['gbps']:,.2f} Gbit/s; the prediction's link.",
         "",
-        "| set-up | " + " | ".join(f"{title} measured | predicted" for _, title in keys) + " | errors |",
-        "|---|" + "---:|---:|" * len(keys) + "---:|",
     ]
+    header = [
+        "set-up",
+        *(f"{title} {kind}" if kind == "measured" else kind for _, title in keys for kind in ("measured", "predicted")),
+        "errors",
+    ]
+    cells = []
     for setup in SETUPS:
         rs = [r for r in rows if r["setup"] == setup]
-        cells = [f"{cell([r[k] for r in rs])} | {prediction[setup][k]:,.0f}" for k, _ in keys]
-        lines.append(f"| {setup} | " + " | ".join(cells) + f" | {sum(r['errors'] for r in rs)} |")
+        pairs = [x for k, _ in keys for x in (cell([r[k] for r in rs]), f"{prediction[setup][k]:,.0f}")]
+        cells.append([setup, *pairs, sum(r["errors"] for r in rs)])
+    lines += table(header, cells, "l" + "rr" * len(keys) + "r")
     lines += [
         "",
         f"Greedy output (32 tokens for prompts of {', '.join(map(str, GREEDY_PROMPTS))} tokens) equal to chunked "

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from core.build import ModelSettings, build_engine
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
@@ -74,12 +74,18 @@ def main() -> None:
         "",
         f"`{command}` on {describe(m)}.",
         "",
-        "| dtype | prompt tokens | equal | first differing token |",
-        "|---|---:|---|---:|",
-        *(
-            f"| {r['dtype']} | {r['prompt_tokens']:,} | {'yes' if r['equal'] else 'no'} "
-            f"| {'' if r['first_difference'] is None else r['first_difference']} |"
-            for r in rows
+        *table(
+            ["dtype", "prompt tokens", "equal", "first differing token"],
+            [
+                [
+                    r["dtype"],
+                    f"{r['prompt_tokens']:,}",
+                    "yes" if r["equal"] else "no",
+                    "" if r["first_difference"] is None else r["first_difference"],
+                ]
+                for r in rows
+            ],
+            "lrlr",
         ),
         "",
     ]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 import kernels
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from core.model.llama import LlamaModel
 from core.model.loader import load_model
 from core.model.model_runner import resolve_dtype
@@ -148,31 +148,31 @@ def main() -> None:
         f"`{command}` on {describe(m)}; {str(dtype).removeprefix('torch.')}, {args.threads} thread(s). "
         f"Medians of {args.repeats} alternating runs [min–max]; speed-up = reference / native.",
         "",
-        "| scenario | reference ms | native ms | speed-up |",
-        "|---|---:|---:|---:|",
     ]
+    cells = []
     for name, by in results.items():
         ref, nat = ([r["total_s"] * 1e3 for r in by[b]] for b in backends)
         ratios = [a / b for a, b in zip(ref, nat, strict=True)]
-        lines.append(
-            f"| {name} | {statistics.median(ref):.1f} [{min(ref):.1f}–{max(ref):.1f}] "
-            f"| {statistics.median(nat):.1f} [{min(nat):.1f}–{max(nat):.1f}] "
-            f"| {statistics.median(ratios):.2f}× [{min(ratios):.2f}–{max(ratios):.2f}] |"
+        cells.append(
+            [
+                name,
+                f"{statistics.median(ref):.1f} [{min(ref):.1f}–{max(ref):.1f}]",
+                f"{statistics.median(nat):.1f} [{min(nat):.1f}–{max(nat):.1f}]",
+                f"{statistics.median(ratios):.2f}× [{min(ratios):.2f}–{max(ratios):.2f}]",
+            ]
         )
+    lines += table(["scenario", "reference ms", "native ms", "speed-up"], cells, "lrrr")
     categories = [*dict.fromkeys(OPS.values())]
     lines += ["", "Share of the iteration (medians):", ""]
-    lines.append("| scenario | backend | " + " | ".join(categories) + " | rest |")
-    lines.append("|---|---|" + "---:|" * (len(categories) + 1))
+    cells = []
     for name, by in results.items():
         for backend in backends:
             runs = by[backend]
             total = statistics.median(r["total_s"] for r in runs)
             shares = [statistics.median(r.get(cat, 0.0) for r in runs) / total for cat in categories]
-            lines.append(
-                f"| {name} | {backend} | "
-                + " | ".join(f"{s * 100:.0f}%" for s in shares)
-                + f" | {max(0.0, 1 - sum(shares)) * 100:.0f}% |"
-            )
+            rest = max(0.0, 1 - sum(shares))
+            cells.append([name, backend, *(f"{s * 100:.0f}%" for s in [*shares, rest])])
+    lines += table(["scenario", "backend", *categories, "rest"], cells, "ll" + "r" * (len(categories) + 1))
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

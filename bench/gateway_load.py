@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 from websockets.asyncio.client import connect
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from bench.servers import ROOT, StallfreeServer
 from core.sched.timings import percentile
 
@@ -154,9 +154,8 @@ def main() -> None:
         "is the bottleneck. Delivery latency: engine emit (end of the forward pass) -> client receive, per token",
         f"frame. Medians over {args.repeats} repeat(s), servers alternating; p99 range: lowest-highest repeat.",
         "",
-        "| server | streams | sim time scale | delivered tokens/s | delivery p50 ms | p99 ms | p99 range | max ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     keys = sorted({(r["streams"], r["time_scale"]) for r in rows}, key=lambda k: (k[0], -k[1]))
     for streams, scale in keys:
         for server in servers:
@@ -166,10 +165,20 @@ def main() -> None:
                 for k in ("tokens_per_s", "latency_p50_ms", "latency_p99_ms", "latency_max_ms")
             }
             p99s = [r["latency_p99_ms"] for r in rs]
-            lines.append(
-                f"| {server} | {streams} | {scale:g} | {med['tokens_per_s']:.0f} | {med['latency_p50_ms']:.2f}"
-                f" | {med['latency_p99_ms']:.2f} | {min(p99s):.1f}-{max(p99s):.1f} | {med['latency_max_ms']:.1f} |"
+            cells.append(
+                [
+                    server,
+                    streams,
+                    f"{scale:g}",
+                    f"{med['tokens_per_s']:.0f}",
+                    f"{med['latency_p50_ms']:.2f}",
+                    f"{med['latency_p99_ms']:.2f}",
+                    f"{min(p99s):.1f}-{max(p99s):.1f}",
+                    f"{med['latency_max_ms']:.1f}",
+                ]
             )
+    header = ["server", "streams", "sim time scale", "delivered tokens/s", "delivery p50 ms", "p99 ms", "p99 range"]
+    lines += table([*header, "max ms"], cells, "lrrrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from bench.record import table
 from core.model.llama import LlamaModel, rope_cos_sin
 from core.model.model_config import ModelConfig
 from kernels import build_attention_meta, reference
@@ -220,22 +221,30 @@ def main() -> None:
     (args.out / "gpu.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Triton kernels on {result['device']}", "", "max |triton - reference| (bf16):", ""]
     lines += [f"- {k}: {v:.4f}" for k, v in result["max_abs_error_vs_reference"].items()]
-    lines += [
-        "",
-        "| attention batch | ms | TB/s | TFLOP/s | roofline ms | of roofline |",
-        "|---|---:|---:|---:|---:|---:|",
+    attention = [
+        [
+            r["case"],
+            f"{r['ms']:.3f}",
+            f"{r['tb_s']:.2f}",
+            f"{r['tflop_s']:.0f}",
+            f"{r['roofline_ms']:.3f}",
+            f"{r['fraction_of_roofline']:.0%}",
+        ]
+        for r in result["attention"]
     ]
-    for r in result["attention"]:
-        lines.append(
-            f"| {r['case']} | {r['ms']:.3f} | {r['tb_s']:.2f} | {r['tflop_s']:.0f} | {r['roofline_ms']:.3f}"
-            f" | {r['fraction_of_roofline']:.0%} |"
-        )
-    lines += ["", "| decode step | batch x ctx | ms | roofline ms | of roofline |", "|---|---|---:|---:|---:|"]
-    for r in result["decode_step"]:
-        lines.append(
-            f"| {r['model']} | {r['batch']} x {r['ctx']} | {r['ms']:.2f} | {r['roofline_ms']:.2f}"
-            f" | {r['fraction_of_roofline']:.0%} |"
-        )
+    header = ["attention batch", "ms", "TB/s", "TFLOP/s", "roofline ms", "of roofline"]
+    lines += ["", *table(header, attention, "lrrrrr")]
+    decode = [
+        [
+            r["model"],
+            f"{r['batch']} x {r['ctx']}",
+            f"{r['ms']:.2f}",
+            f"{r['roofline_ms']:.2f}",
+            f"{r['fraction_of_roofline']:.0%}",
+        ]
+        for r in result["decode_step"]
+    ]
+    lines += ["", *table(["decode step", "batch x ctx", "ms", "roofline ms", "of roofline"], decode, "llrrr")]
     lines += ["", f"flashinfer: {json.dumps(result['flashinfer'])}"]
     (args.out / "gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -18,7 +18,7 @@ import sys
 import torch
 
 import kernels
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from core.model.loader import load_model
 from core.model.model_runner import ModelRunner
 from core.sched.config import CacheConfig, SchedulerConfig
@@ -85,12 +85,9 @@ def main() -> None:
         "",
         f"`{command}` on {describe(m)}: {n} prompts, {args.tokens} greedy tokens each, chunked at budget 64.",
         "",
-        "| path | sequences identical to fp32 reference | token positions equal |",
-        "|---|---:|---:|",
     ]
-    lines += [
-        f"| {r['path']} | {r['identical_sequences']}/{n} | {r['equal_positions']}/{n * args.tokens} |" for r in rows
-    ]
+    cells = [[r["path"], f"{r['identical_sequences']}/{n}", f"{r['equal_positions']}/{n * args.tokens}"] for r in rows]
+    lines += table(["path", "sequences identical to fp32 reference", "token positions equal"], cells, "lrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

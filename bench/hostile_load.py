@@ -35,7 +35,7 @@ import httpx
 import orjson
 from websockets.asyncio.client import connect
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from gateway.connections import raise_file_limit
 
@@ -227,14 +227,17 @@ def write(args: argparse.Namespace, phases: list[dict[str, Any]], rss: dict[str,
         f"`{command}` on {describe(m)}, {time.strftime('%Y-%m-%d')}; {STREAMS} WebSocket users streaming "
         f"({'simulated runner' if args.sim else 'the embedded model, 1 thread'}); phases alternate.",
         "",
-        "| phase | gaps | p50 ms | p99 ms | worst ms | normal generations | RSS after MB | /healthz |",
-        "|---|---:|---:|---:|---:|---|---:|---|",
     ]
-    for p in phases:
-        lines.append(
-            f"| {'hostile' if p['hostile'] else 'quiet'} | {p['gaps']} | {p['gap_p50_ms']} | {p['gap_p99_ms']} "
-            f"| {p['gap_max_ms']} | {p['normal_ends']} | {p['rss_after_mb']} | {p['healthz'] or '-'} |"
-        )
+    header = ["phase", "gaps", "p50 ms", "p99 ms", "worst ms", "normal generations", "RSS after MB", "/healthz"]
+    cells = [
+        [
+            "hostile" if p["hostile"] else "quiet",
+            *(p[k] for k in ("gaps", "gap_p50_ms", "gap_p99_ms", "gap_max_ms", "normal_ends", "rss_after_mb")),
+            p["healthz"] or "-",
+        ]
+        for p in phases
+    ]
+    lines += table(header, cells, "lrrrrlrl")
     lines += ["", "What the attacks got back (hostile phases, summed):", ""]
     totals: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for p in phases:

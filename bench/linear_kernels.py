@@ -20,7 +20,7 @@ import time
 import torch
 
 import kernels
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from core.model.llama import LlamaModel
 from core.model.loader import load_model
 
@@ -80,14 +80,17 @@ def main() -> None:
         f"(compact: {', '.join(kinds)}, {compact_mb:.0f} MB; float32: {fp32_mb:.0f} MB); medians of "
         f"{args.repeats} alternating passes, speed-up = oneDNN / compact per pass [min–max].",
         "",
-        "| rows | oneDNN fp32 ms | compact ms | speed-up |",
-        "|---:|---:|---:|---:|",
     ]
-    for r in results:
-        lo, hi = r["speedup_range"]
-        lines.append(
-            f"| {r['rows']} | {r['onednn_ms']:.1f} | {r['compact_ms']:.1f} | {r['speedup']:.2f}× [{lo:.2f}–{hi:.2f}] |"
-        )
+    cells = [
+        [
+            r["rows"],
+            f"{r['onednn_ms']:.1f}",
+            f"{r['compact_ms']:.1f}",
+            f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]",
+        ]
+        for r in results
+    ]
+    lines += table(["rows", "oneDNN fp32 ms", "compact ms", "speed-up"], cells, "rrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

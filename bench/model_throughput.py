@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.record import dated
+from bench.record import dated, table
 from core.build import ModelSettings, build_engine
 from core.sched.config import SchedulerConfig
 from core.sched.request import Request, SamplingParams
@@ -128,20 +128,22 @@ def main() -> None:
         f"`{doc['command']}` — medians of {args.repeats} interleaved repeats; decode streams start from "
         f"{args.prompt}-token prompts.",
         "",
-        "| dtype/threads | streams | iteration ms | decode tokens/s | Python overhead |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for c in configs:
-        for n in streams:
-            r = summary[f"decode/{c}/{n}"]
-            lines.append(
-                f"| {c} | {n} | {r['iteration_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['overhead_frac'] * 100:.0f}% |"
-            )
-    lines += ["", "| dtype/threads | prompt tokens | prefill ms | prefill tokens/s |", "|---|---:|---:|---:|"]
-    for c in configs:
-        for p in (512, 2048):
-            r = summary[f"prefill/{c}/{p}"]
-            lines.append(f"| {c} | {p} | {r['ms']:.0f} | {r['tokens_per_s']:.0f} |")
+    decode = [
+        [c, n, f"{r['iteration_ms']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['overhead_frac'] * 100:.0f}%"]
+        for c in configs
+        for n in streams
+        for r in [summary[f"decode/{c}/{n}"]]
+    ]
+    header = ["dtype/threads", "streams", "iteration ms", "decode tokens/s", "Python overhead"]
+    lines += table(header, decode, "lrrrr")
+    prefill = [
+        [c, p, f"{r['ms']:.0f}", f"{r['tokens_per_s']:.0f}"]
+        for c in configs
+        for p in (512, 2048)
+        for r in [summary[f"prefill/{c}/{p}"]]
+    ]
+    lines += ["", *table(["dtype/threads", "prompt tokens", "prefill ms", "prefill tokens/s"], prefill, "lrrr")]
     lines += [
         "",
         "Python overhead = share of the iteration outside the model's forward pass "

@@ -1,11 +1,13 @@
 """Where a benchmark writes its result: a new dated file, never over an old one,
-with the facts about the machine that made it (CPU, instruction set, AMX)."""
+with the facts about the machine that made it (CPU, instruction set, AMX), and
+its markdown tables, all written one way (``table``)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import platform
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -43,6 +45,22 @@ def dated(stem: str) -> Path:
     while any(OUT.glob(f"{stem}-{day}{f'-{n}' if n > 1 else ''}.*")):
         n += 1
     return OUT / f"{stem}-{day}{f'-{n}' if n > 1 else ''}"
+
+
+ALIGN = {"l": "---", "r": "---:", "c": ":---:"}
+
+
+def table(header: list[str], rows: Iterable[Sequence[object]], align: str) -> list[str]:
+    """A markdown table's lines: ``align`` has a letter per column, l(eft),
+    r(ight, for numbers) or c(entre); cells are written as given (format them first)."""
+    if len(align) != len(header) or set(align) - set(ALIGN):
+        raise ValueError(f"align {align!r}: one of l, r, c per column ({len(header)})")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(ALIGN[a] for a in align) + "|"]
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"a row of {len(row)} cells for {len(header)} columns: {row!r}")
+        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
+    return lines
 
 
 def _cpuinfo() -> str:

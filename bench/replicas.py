@@ -29,7 +29,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.gateway_load import run_load
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from loadtest.generator import WORDS
 
@@ -113,18 +113,15 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict], keys: list[tuple[str, str]]) -> list[str]:
-    lines = [
-        "| setup | " + " | ".join(f"{title} median [min-max]" for _, title in keys) + " |",
-        "|---|" + "---:|" * len(keys),
-    ]
+def setups_table(rows: list[dict], keys: list[tuple[str, str]]) -> list[str]:
+    cells = []
     for setup in dict.fromkeys(r["setup"] for r in rows):
-        cells = []
+        row = [setup]
         for key, _ in keys:
             v = [r[key] for r in rows if r["setup"] == setup]
-            cells.append(f"{statistics.median(v):,.2f} [{min(v):,.2f}-{max(v):,.2f}]")
-        lines.append(f"| {setup} | " + " | ".join(cells) + " |")
-    return lines
+            row.append(f"{statistics.median(v):,.2f} [{min(v):,.2f}-{max(v):,.2f}]")
+        cells.append(row)
+    return table(["setup", *(f"{title} median [min-max]" for _, title in keys)], cells, "l" + "r" * len(keys))
 
 
 def main() -> None:
@@ -158,7 +155,7 @@ def main() -> None:
         "",
         f"`{command}` on {describe(m)}; configurations alternate, {args.repeats} runs each.",
         "",
-        *table(rows, keys),
+        *setups_table(rows, keys),
         "",
     ]
     base.with_suffix(".md").write_text("\n".join(lines))

@@ -17,7 +17,7 @@ import time
 
 import orjson
 
-from bench.record import dated
+from bench.record import dated, table
 
 
 def main() -> None:
@@ -47,16 +47,19 @@ def main() -> None:
             f"a {w['system_tokens']}-token system prompt, user messages {w['user_tokens']} tokens, "
             f"answers {w['output_tokens']}, think {w['think_s']} s; {doc['kv_blocks']} KV blocks per replica.",
             "",
-            "| router | prefix-hit rate | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | max gap ms | tokens/s |"
-            " requests per replica (min-max) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in doc["routers"]:
-            lines.append(
-                f"| {r['router']} | {r['prefix_hit_rate']:.1%} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} |"
-                f" {r['itl_p99_ms']:.1f} | {r['max_gap_ms']:.1f} | {r['throughput_tokens_per_s']:,.0f} |"
-                f" {r['routed_min']}-{r['routed_max']} |"
-            )
+        header = ["router", "prefix-hit rate", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "max gap ms", "tokens/s"]
+        cells = [
+            [
+                r["router"],
+                f"{r['prefix_hit_rate']:.1%}",
+                *(f"{r[k]:.1f}" for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "max_gap_ms")),
+                f"{r['throughput_tokens_per_s']:,.0f}",
+                f"{r['routed_min']}-{r['routed_max']}",
+            ]
+            for r in doc["routers"]
+        ]
+        lines += table([*header, "requests per replica (min-max)"], cells, "lrrrrrrr")
         lines.append("")
     path.with_suffix(".md").write_text("\n".join(lines))
     print(path.with_suffix(".md").read_text())

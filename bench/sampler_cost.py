@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from llguidance import LLMatcher
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from core.model import sampler as sampling
 from core.model.sampler import Sampler
 from core.model.tokenizer import Tokenizer
@@ -171,16 +171,14 @@ def main() -> None:
         f"`{doc['command']}` on {describe(m)}; {args.threads} torch thread(s). Medians of {args.repeats} "
         f"interleaved repeats (each the median of {ITERATIONS} iterations), [min–max].",
         "",
-        "| logits | sampling | ms per iteration | vs greedy |",
-        "|---|---|---:|---:|",
     ]
+    cells = []
     for key, s in summary.items():
         shape, name = key.split("/", 1)
         base_ms = summary[f"{shape}/greedy"]["median_ms"]
-        lines.append(
-            f"| {shape} | {name} | {s['median_ms']:.2f} [{s['min_ms']:.2f}–{s['max_ms']:.2f}] "
-            f"| {s['median_ms'] / base_ms:.1f}× |"
-        )
+        spread = f"{s['median_ms']:.2f} [{s['min_ms']:.2f}–{s['max_ms']:.2f}]"
+        cells.append([shape, name, spread, f"{s['median_ms'] / base_ms:.1f}×"])
+    lines += table(["logits", "sampling", "ms per iteration", "vs greedy"], cells, "llrr")
     lines += [
         "",
         f"Building one request's token-count row (512 prompt + 256 generated tokens), once per request: "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from bench.record import dated
+from bench.record import dated, table
 from core.analysis.cost_model import CostModel
 from core.analysis.simulator import report, scenario, simulate
 from core.sched.config import CacheConfig, SchedulerConfig
@@ -58,15 +58,19 @@ def main() -> None:
         "the 32,768-token prompt, max gap over the 64 decoding streams and the shorts. multi-tenant: small = "
         "tenants t1..t4, big = the flooding tenant, max gap over all.",
         "",
-        "| scenario | rule | small TTFT p50 ms | small p99 ms | big TTFT p50 ms | big p99 ms | max gap ms | tokens/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['scenario']} | {r['rule']} | {r['small_ttft_p50_ms']:.0f} | {r['small_ttft_p99_ms']:.0f} "
-            f"| {r['big_ttft_p50_ms']:.0f} | {r['big_ttft_p99_ms']:.0f} | {r['max_gap_ms']:.1f} "
-            f"| {r['throughput_tokens_per_s']:,.0f} |"
-        )
+    cells = [
+        [
+            r["scenario"],
+            r["rule"],
+            *(f"{r[k]:.0f}" for k in ("small_ttft_p50_ms", "small_ttft_p99_ms", "big_ttft_p50_ms", "big_ttft_p99_ms")),
+            f"{r['max_gap_ms']:.1f}",
+            f"{r['throughput_tokens_per_s']:,.0f}",
+        ]
+        for r in rows
+    ]
+    header = ["scenario", "rule", "small TTFT p50 ms", "small p99 ms", "big TTFT p50 ms", "big p99 ms", "max gap ms"]
+    lines += table([*header, "tokens/s"], cells, "llrrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), file=sys.stdout)
 

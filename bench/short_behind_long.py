@@ -21,7 +21,7 @@ import sys
 
 import httpx
 
-from bench.record import dated, describe, machine
+from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
@@ -84,22 +84,26 @@ def main() -> None:
         "",
         f"`{command}` on {describe(m)} — medians of {args.repeats} alternating runs [min–max].",
         "",
-        "| scheduling | shorts' TTFT p50 ms | shorts' TTFT max ms | shorts / long TTFT | long TTFT ms "
-        "| decoders' ITL p50 ms | decoders' max gap ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(rs: list[dict], key: str, fmt: str) -> str:
         vals = [r[key] for r in rs]
         return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}–{max(vals):{fmt}}]"
 
+    formats = {
+        "short_ttft_p50_ms": ".0f",
+        "short_ttft_max_ms": ".0f",
+        "short_over_long": ".2f",
+        "long_ttft_ms": ".0f",
+        "decoder_itl_p50_ms": ".0f",
+        "decoder_max_gap_ms": ".0f",
+    }
+    cells = []
     for mode in MODES:
         rs = [r for r in rows if r["mode"] == mode]
-        lines.append(
-            f"| {mode} | {cell(rs, 'short_ttft_p50_ms', '.0f')} | {cell(rs, 'short_ttft_max_ms', '.0f')} "
-            f"| {cell(rs, 'short_over_long', '.2f')} | {cell(rs, 'long_ttft_ms', '.0f')} "
-            f"| {cell(rs, 'decoder_itl_p50_ms', '.0f')} | {cell(rs, 'decoder_max_gap_ms', '.0f')} |"
-        )
+        cells.append([mode, *(cell(rs, key, fmt) for key, fmt in formats.items())])
+    header = ["scheduling", "shorts' TTFT p50 ms", "shorts' TTFT max ms", "shorts / long TTFT", "long TTFT ms"]
+    lines += table([*header, "decoders' ITL p50 ms", "decoders' max gap ms"], cells, "lrrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -79,7 +79,7 @@ def main() -> None:
 
 
 def write(doc: dict[str, Any], duration_s: float) -> None:
-    from bench.record import dated
+    from bench.record import dated, table
 
     base = dated("sim_capacity")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=1))
@@ -98,16 +98,17 @@ def write(doc: dict[str, Any], duration_s: float) -> None:
             "",
             f"Decode-only iteration: {t['decode_iteration_ms']:.2f} ms (8 decodes at {t['context']} tokens).",
             "",
-            "| SLO | mode | req/s | TTFT p50 | p99 | TBT p50 | p99 | worst gap | sched. p50 |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        cells = []
         for slo_name, cell in t["slos"].items():
             for r in cell["modes"]:
                 f = figures_at_capacity(r)
-                lines.append(
-                    f"| {slo_name} ({cell['slo_ms']:.1f}) | {r['mode']} | {r['capacity_req_per_s']:.3g} | {f[0]:.0f} "
-                    f"| {f[1]:.0f} | {f[2]:.1f} | {f[3]:.1f} | {f[4]:.0f} | {f[5]:.0f} |"
+                figures = [f"{f[0]:.0f}", f"{f[1]:.0f}", f"{f[2]:.1f}", f"{f[3]:.1f}", f"{f[4]:.0f}", f"{f[5]:.0f}"]
+                cells.append(
+                    [f"{slo_name} ({cell['slo_ms']:.1f})", r["mode"], f"{r['capacity_req_per_s']:.3g}", *figures]
                 )
+        header = ["SLO", "mode", "req/s", "TTFT p50", "p99", "TBT p50", "p99", "worst gap", "sched. p50"]
+        lines += table(header, cells, "llrrrrrrr")
         lines.append("")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from bench.compare import METRICS, PHASES
-from bench.record import OUT, dated
+from bench.record import OUT, dated, table
 from core.analysis.profiler import Profile
 from core.analysis.simulator import make_arrival, simulate
 from core.sched.config import CacheConfig, SchedulerConfig
@@ -87,10 +87,9 @@ def main() -> None:
         f"{hw.overhead_s * 1e3:.1f} ms per iteration, weight reads {'overlapping' if hw.overlap else 'added to'} "
         "compute.",
         "",
-        "| metric | measured | simulated | error |",
-        "|---|---:|---:|---:|",
     ]
-    lines += [f"| {r['metric']} | {r['measured']:.0f} | {r['simulated']:.0f} | {r['error_pct']:+.0f}% |" for r in rows]
+    cells = [[r["metric"], f"{r['measured']:.0f}", f"{r['simulated']:.0f}", f"{r['error_pct']:+.0f}%"] for r in rows]
+    lines += table(["metric", "measured", "simulated", "error"], cells, "lrrr")
     lines += ["", f"Mean |error| {statistics.fmean(errors):.1f}%, worst {max(errors):.1f}%."]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

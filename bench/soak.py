@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--storm-s", type=float, default=20.0, help="seconds between storms")
     ap.add_argument("--sample-s", type=float, default=60.0)
     args = ap.parse_args()
-    from bench.record import dated, describe, machine
+    from bench.record import dated, describe, machine, table
 
     server = Server("--max-waiting", "512")
     try:
@@ -213,12 +213,19 @@ def main() -> None:
         f"After warm-up (sample {samples.index(warm)}) to the end: RSS {warm['rss_mib']} → {last['rss_mib']} MiB, "
         f"open FDs {warm['fds']} → {last['fds']}, KV blocks in use after the load: {last['kv_used_blocks']}.",
         "",
-        "| t (s) | served | RSS MiB | open FDs | KV blocks in use |",
-        "|---:|---:|---:|---:|---:|",
-        *(
-            f"| {s['t_s']}{' (after load)' if s.get('after_load') else ''} | {s['served']:,} | {s['rss_mib']} "
-            f"| {s['fds']} | {s['kv_used_blocks']} |"
-            for s in samples
+        *table(
+            ["t (s)", "served", "RSS MiB", "open FDs", "KV blocks in use"],
+            [
+                [
+                    f"{s['t_s']}{' (after load)' if s.get('after_load') else ''}",
+                    f"{s['served']:,}",
+                    s["rss_mib"],
+                    s["fds"],
+                    s["kv_used_blocks"],
+                ]
+                for s in samples
+            ],
+            "rrrrr",
         ),
     ]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")

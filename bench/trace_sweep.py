@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from bench.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
-from bench.record import OUT, dated, describe, machine
+from bench.record import OUT, dated, describe, machine, table
 from bench.servers import StallfreeServer
 from core.analysis.traces import read_trace, replay
 from core.model.gguf import GGUFFile
@@ -123,15 +123,15 @@ def write(args: argparse.Namespace, spec: TraceSpec, requests: int, runs: list[d
         f"`bench.capacity`), {requests} requests ({doc['trace']['replay']}), over the OpenAI streaming API; medians "
         f"of {args.repeats} runs, settings alternating. Times in ms.",
         "",
-        "| setting | TTFT p50 | p99 | TBT p50 | p99 | worst gap | sched. delay p50 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, rows in (("token budget", by_budget), (f"TBT target (budget {TBT_BUDGET}), ms", by_target)):
-        for r in rows:
-            lines.append(
-                f"| {label} {r['value']:g} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.0f} "
-                f"| {r['itl_p99_ms']:.0f} | {r['max_gap_ms']:.0f} | {r['queue_wait_p50_ms']:.0f} |"
-            )
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+    cells = [
+        [f"{label} {r['value']:g}", *(f"{r[k]:.0f}" for k in keys)]
+        for label, rows in (("token budget", by_budget), (f"TBT target (budget {TBT_BUDGET}), ms", by_target))
+        for r in rows
+    ]
+    header = ["setting", "TTFT p50", "p99", "TBT p50", "p99", "worst gap", "sched. delay p50"]
+    lines += table(header, cells, "lrrrrrr")
     lines += ["", f"Plot: `{base.with_suffix('.png').name}`; every run: `{base.with_suffix('.json').name}`."]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(by_budget, by_target, base.with_suffix(".png"), spec.name)
