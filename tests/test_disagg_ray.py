@@ -6,8 +6,6 @@ arrives wrong, misplaced or incomplete changes the tokens."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -186,16 +184,6 @@ async def test_serve_disaggregate_command(cluster):
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
-
-
-def test_serve_refuses_replicas_with_disaggregate():
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", "serve", "--sim", "--replicas", "2", "--disaggregate", "1:1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode != 0 and "--replicas and --disaggregate are exclusive" in out.stderr
 
 
 class FakeHandle:

@@ -100,13 +100,20 @@ def test_the_image_file_set_starts_a_server(tmp_path):
     assert len(files) == 4 and all(f.startswith(str(tmp_path)) for f in files), files  # not this checkout's
 
 
-def test_replicas_refuse_what_needs_a_local_engine():
-    """--token-budget auto measures this process's model: with replicas it is refused, not ignored."""
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--disaggregate", "1:1"], "--replicas and --disaggregate are exclusive"),
+        # --token-budget auto measures this process's model: with replicas it is refused, not ignored
+        (["--token-budget", "auto"], "need a local engine"),
+    ],
+)
+def test_replicas_refuse_what_they_cannot_serve(flags, why):
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "serve", "--sim", "--replicas", "2", "--token-budget", "auto"],
+        [sys.executable, "-m", "cli", "serve", "--sim", "--replicas", "2", *flags],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
     )
-    assert out.returncode == 2 and "need a local engine" in out.stderr, out.stderr
+    assert out.returncode == 2 and why in out.stderr, out.stderr

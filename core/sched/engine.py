@@ -195,11 +195,9 @@ class Engine:
         before they finish and free their blocks."""
         for item in batch.items:
             req = item.request
-            handoff = req.handoff
-            exporting = handoff is not None and handoff.export and handoff.payload is None
-            if exporting and item.samples and not req.num_output_tokens:
-                assert handoff is not None
-                handoff.payload = self.runner.export_kv(req.block_ids, req.num_prompt_tokens - 1)
+            h = req.handoff
+            if h is not None and h.export and h.payload is None and item.samples and not req.num_output_tokens:
+                h.payload = self.runner.export_kv(req.block_ids, req.num_prompt_tokens - 1)
 
     def _failed(self, batch: Batch | None, exc: Exception) -> None:
         self.failed_in_a_row += 1
