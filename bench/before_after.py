@@ -3,13 +3,13 @@ after, before, ...), so a change's effect on speed is told apart from the
 noise of a shared machine and from whichever runs second.
 
     .venv/bin/python -m bench.before_after --before ../before --repeats 3 \\
-        -- bench.model_throughput --threads 1 --repeats 1
+        -- bench.engine.model_throughput --threads 1 --repeats 1
 
 ``--before`` is a checkout of the old commit (``git worktree add ../before
 <commit>``); "after" is this tree. Each run is ``python -m <module> <args>
 --out <stem>`` with the tree as working directory and first on PYTHONPATH;
 the module writes its dated JSON under that tree's ``bench/results``
-(``{"results": {row: {metric: value}}}``, as ``bench.model_throughput``
+(``{"results": {row: {metric: value}}}``, as ``bench.engine.model_throughput``
 does), which is read and removed. Reports each metric's median per tree,
 the after/before ratio and the spread. Writes bench/results/before_after-<date>.{json,md}.
 """

@@ -23,7 +23,7 @@ _PACKED = (torch.bfloat16, torch.float32)
 
 
 class Linear:
-    COMPACT_ROWS = 64  # up to here the compact copy measured faster (bench.linear_kernels)
+    COMPACT_ROWS = 64  # up to here the compact copy measured faster (bench.kernels.linear_kernels)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantized: Quantized | None = None):
         self.weight, self.bias = weight, bias

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from bench.greedy_agreement import greedy
+from bench.accuracy.greedy_agreement import greedy
 from core.model.llama import rope_cos_sin
 from core.model.loader import load_model
 from core.model.model_config import ModelConfig

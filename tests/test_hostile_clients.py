@@ -14,7 +14,7 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
-from bench.hostile_load import phase, rss_mb
+from bench.gateway.hostile_load import phase, rss_mb
 from bench.servers import StallfreeServer
 from gateway.connections import raise_file_limit
 from gateway.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
@@ -322,7 +322,7 @@ async def test_a_reader_that_never_reads_is_cut_off_and_its_kv_freed():
 
 @pytest.mark.slow
 async def test_normal_streams_keep_their_beat_through_a_mixed_hostile_load():
-    """bench.hostile_load's attacks (giant headers; 50 slowloris and 250 idle sockets, a quarter
+    """bench.gateway.hostile_load's attacks (giant headers; 50 slowloris and 250 idle sockets, a quarter
     of its crowd; 16 clients tokenizing 900 kB each; frames that cannot be echoed; deep JSON;
     chats of 1,025 messages) beside four users streaming from the embedded model. Stated bound:
     their worst gap stays under 2.5 s (0.29 s measured on a Xeon; 4.3 s with one GIL-holding

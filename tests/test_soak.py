@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from bench.soak import Server, soak
+from bench.gateway.soak import Server, soak
 
 pytestmark = pytest.mark.slow  # a 25 s soak
 

@@ -108,7 +108,7 @@ def test_dispatch_never_picks_triton_for_cpu_tensors():
 
 
 def test_gpu_script_is_ready_and_refuses_without_cuda(monkeypatch):
-    from bench import gpu_kernels
+    from bench.kernels import gpu_kernels
 
     monkeypatch.setattr(sys, "argv", ["gpu_kernels"])
     with pytest.raises(SystemExit, match="no CUDA device"):

@@ -9,7 +9,7 @@ bisecting (geometrically) until the two are within the tolerance (5 %).
 Trials already run (for another SLO on the same configuration) are reused.
 
 Used by ``stallfree simulate --capacity`` (the simulator on a trace) and
-``bench.capacity`` (real servers, side by side).
+``bench.serving.capacity`` (real servers, side by side).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ at::Tensor run(F f, const at::Tensor& x, int64_t N, const c10::optional<at::Tens
   // column blocks in parallel; each block's weights stay in L1 across the row tiles
   at::parallel_for(0, N / B, 4, [&](int64_t b0, int64_t b1) {
     F g = f;
-    // widening into scratch pays off from three tiles on (bench.linear_kernels)
+    // widening into scratch pays off from three tiles on (bench.kernels.linear_kernels)
     const bool widen_once = M > 2 * F::MT;
     std::vector<float> scratch(widen_once ? K * B : 0);
     for (int64_t blk = b0; blk < b1; ++blk) {

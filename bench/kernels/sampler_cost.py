@@ -1,7 +1,7 @@
 """The sampler's cost per iteration at batch 64 with every sampling option on
 vs off, on the real vocabulary size (49,152).
 
-    .venv/bin/python -m bench.sampler_cost [--repeats 5] [--batch 64] [--threads 1]
+    .venv/bin/python -m bench.kernels.sampler_cost [--repeats 5] [--batch 64] [--threads 1]
 
 Two kinds of logits: the embedded model's own (its next-token logits after
 64 prefixes of an English paragraph) and a flat stress case (Gaussian, sd
@@ -153,7 +153,7 @@ def main() -> None:
         for name, v in raw.items()
     }
 
-    command = "python -m bench.sampler_cost " + " ".join(sys.argv[1:])
+    command = "python -m bench.kernels.sampler_cost " + " ".join(sys.argv[1:])
     doc = {
         "command": command.strip(),
         "machine": m,

@@ -1,7 +1,7 @@
 """The simulator on both production traces at full scale: Sarathi-Serve's
 capacity of each way of scheduling for the article's 8B model and GPU.
 
-    .venv/bin/python -m bench.sim_capacity [--duration-s 120] [--disaggregate 1:1]
+    .venv/bin/python -m bench.simulator.sim_capacity [--duration-s 120] [--disaggregate 1:1]
 
 The real scheduler on the article's roofline (Llama-3-8B in bf16 on a 400
 TFLOP/s, 3 TB/s accelerator, attention FLOPs and KV reads included; 64 GiB
@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from bench.capacity import TRACE_SPECS
+from bench.serving.capacity import TRACE_SPECS
 from core.analysis.capacity import RELAXED, SLO, STRICT
 from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
 from core.analysis.disagg_plan import Link
@@ -43,7 +43,7 @@ def main() -> None:
     config = SchedulerConfig(token_budget=512, max_num_seqs=256, max_model_len=131_072)
     cache = CacheConfig(num_blocks=32_768, block_size=16)  # 64 GiB at 128 KiB a token
     doc: dict[str, Any] = {
-        "command": "python -m bench.sim_capacity " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.simulator.sim_capacity " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "model": "Llama-3-8B bf16 on the article's accelerator (400 TFLOP/s, 3 TB/s), attention and KV reads",
         "scheduler": {"token_budget": 512, "max_num_seqs": 256, "kv_tokens": cache.num_tokens},

@@ -1,7 +1,7 @@
 """Soak: the real gateway (simulated engine, its own process) under steady
 load plus disconnect and cancel storms, sampled every minute.
 
-    .venv/bin/python -m bench.soak --minutes 60
+    .venv/bin/python -m bench.gateway.soak --minutes 60
 
 Load: ``--rate`` requests a second, alternating WebSocket generations on a
 pool of sockets and OpenAI-API calls (streaming and not); every ``--storm-s``
@@ -197,7 +197,7 @@ def main() -> None:
     finally:
         exit_code = server.stop()
     m = machine()
-    command = f"python -m bench.soak {' '.join(sys.argv[1:])}".strip()
+    command = f"python -m bench.gateway.soak {' '.join(sys.argv[1:])}".strip()
     record = {"command": command, "machine": m, "server_exit_code": exit_code, **result}
     base = dated("soak")
     base.with_suffix(".json").write_text(json.dumps(record, indent=2))

@@ -2,7 +2,7 @@
 64 replicas on the multi-turn chat workload, every router on the same
 workload, recorded as one dated table.
 
-    python -m bench.router_table [--kv-blocks 16384] [--sizes 8,64]
+    python -m bench.scaleout.router_table [--kv-blocks 16384] [--sizes 8,64]
 
 Simulated time on the cost model (the article's 8B model and GPU), so the
 figures do not depend on this machine; it only sets how long the run takes.

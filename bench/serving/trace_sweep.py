@@ -1,7 +1,7 @@
 """The article's checklist on replayed production traffic: TTFT and TBT
 percentiles against the token budget, and against the TBT target.
 
-    .venv/bin/python -m bench.trace_sweep --trace azure --rate 3 [--repeats 2]
+    .venv/bin/python -m bench.serving.trace_sweep --trace azure --rate 3 [--repeats 2]
 
 One ``stallfree serve`` (1 compute thread), switched live through
 /api/config between runs: a token budget per run with no target, then a TBT
@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from bench.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import StallfreeServer
+from bench.serving.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
 from core.analysis.traces import read_trace, replay
 from core.model.gguf import GGUFFile
 from core.model.loader import embedded_model_path
@@ -36,7 +36,7 @@ from core.model.tokenizer import Tokenizer
 from loadtest.generator import OpenAITarget, WordPrompts, summarize, trace_jobs
 from loadtest.report import replay_jobs
 
-TBT_BUDGET = 512  # with the target: the engine's default (see bench.capacity)
+TBT_BUDGET = 512  # with the target: the engine's default (see bench.serving.capacity)
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
 
 
@@ -103,7 +103,7 @@ def medians(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 
 def write(args: argparse.Namespace, spec: TraceSpec, requests: int, runs: list[dict[str, Any]]) -> None:
     base = dated("trace_sweep")
-    command = "python -m bench.trace_sweep " + " ".join(sys.argv[1:])
+    command = "python -m bench.serving.trace_sweep " + " ".join(sys.argv[1:])
     by_budget, by_target = medians(runs, "token_budget"), medians(runs, "tbt_slo_ms")
     doc = {
         "command": command,
@@ -120,8 +120,8 @@ def write(args: argparse.Namespace, spec: TraceSpec, requests: int, runs: list[d
         f"# TTFT and TBT against the token budget and the TBT target, on the {spec.name} trace",
         "",
         f"`{command}` on {describe(doc['machine'])}, {doc['date']}: one `stallfree serve` (1 thread, same weights as "
-        f"`bench.capacity`), {requests} requests ({doc['trace']['replay']}), over the OpenAI streaming API; medians "
-        f"of {args.repeats} runs, settings alternating. Times in ms.",
+        f"`bench.serving.capacity`), {requests} requests ({doc['trace']['replay']}), over the OpenAI streaming API; "
+        f"medians of {args.repeats} runs, settings alternating. Times in ms.",
         "",
     ]
     keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")

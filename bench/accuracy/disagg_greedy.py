@@ -1,7 +1,7 @@
 """Greedy tokens of disaggregated serving against one engine's, per dtype, in
 one process (no Ray: only the numerics of the two paths differ).
 
-    .venv/bin/python -m bench.disagg_greedy [--dtypes float32,bfloat16 --tokens 24]
+    .venv/bin/python -m bench.accuracy.disagg_greedy [--dtypes float32,bfloat16 --tokens 24]
 
 Colocated: one engine computes the prompt in chunks (token budget 256) and
 samples from its last chunk. Disaggregated: a prefill engine computes it and
@@ -66,7 +66,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
     rows = [r for dtype in args.dtypes.split(",") for r in compare(dtype, args.tokens, tokenizer)]
     m = machine()
-    command = ("python -m bench.disagg_greedy " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.accuracy.disagg_greedy " + " ".join(sys.argv[1:])).strip()
     base = dated("disagg_greedy")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "machine": m, "rows": rows}, indent=2))
     lines = [

@@ -2,7 +2,7 @@
 wait for its whole prefill, and what does the fix cost the long prompt and
 the streams already decoding?
 
-    .venv/bin/python -m bench.short_behind_long [--repeats 3]
+    .venv/bin/python -m bench.serving.short_behind_long [--repeats 3]
 
 Starts `stallfree serve` (embedded model, one torch thread, budget 256);
 4 streams decode, a ~3,000-token prompt arrives, and 0.3 s later 4 short
@@ -74,7 +74,7 @@ def main() -> None:
     finally:
         server.stop()
     m = machine()
-    command = ("python -m bench.short_behind_long " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.serving.short_behind_long " + " ".join(sys.argv[1:])).strip()
     base = dated("short_behind_long")
     record = {"command": command, "machine": m, "args": vars(args), "rows": rows}
     base.with_suffix(".json").write_text(json.dumps(record, indent=2))

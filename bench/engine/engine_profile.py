@@ -1,7 +1,7 @@
 """Where an iteration's time goes, torch reference kernels vs the native C++ ones,
 side by side in one process on the embedded model.
 
-    .venv/bin/python -m bench.engine_profile [--repeats 5] [--threads 1] [--dtype auto]
+    .venv/bin/python -m bench.engine.engine_profile [--repeats 5] [--threads 1] [--dtype auto]
 
 Scenarios (one forward pass each, random KV in a paged cache):
 decode at 8 and 32 streams (512-token contexts), and a 2,000-token prompt in
@@ -138,7 +138,7 @@ def main() -> None:
                     results[name][backend].append({"total_s": total, **prof.totals})
         print(f"repeat {rep}/{args.repeats} done", file=sys.stderr, flush=True)
     m = machine()
-    command = f"python -m bench.engine_profile {' '.join(sys.argv[1:])}".strip()
+    command = f"python -m bench.engine.engine_profile {' '.join(sys.argv[1:])}".strip()
     doc = {"command": command, "machine": m, "dtype": str(dtype), "threads": args.threads, "results": results}
     base = dated("engine_profile")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))

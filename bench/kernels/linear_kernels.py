@@ -1,7 +1,7 @@
 """Every linear layer of the embedded model once (one decode step's GEMMs),
 compact weights (the native kernels) vs oneDNN's prepacked float32 weights.
 
-    .venv/bin/python -m bench.linear_kernels [--repeats 7] [--threads 1]
+    .venv/bin/python -m bench.kernels.linear_kernels [--repeats 7] [--threads 1]
 
 The model's 121 weights (~540 MB in float32) do not fit any cache, so each
 pass streams them from memory as a decode step does. Rows = sequences in the
@@ -69,7 +69,7 @@ def main() -> None:
             }
         )
     m = machine()
-    command = f"python -m bench.linear_kernels {' '.join(sys.argv[1:])}".strip()
+    command = f"python -m bench.kernels.linear_kernels {' '.join(sys.argv[1:])}".strip()
     base = dated("linear_kernels")
     record = {"command": command, "machine": m, "kinds": kinds, "compact_mb": compact_mb, "fp32_mb": fp32_mb}
     base.with_suffix(".json").write_text(json.dumps(record | {"rows": results}, indent=2))

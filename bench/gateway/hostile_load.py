@@ -1,6 +1,6 @@
 """Normal streams beside a hostile mixed load, against a live ``stallfree serve``.
 
-    .venv/bin/python -m bench.hostile_load [--sim] [--rounds 2] [--phase-s 20]
+    .venv/bin/python -m bench.gateway.hostile_load [--sim] [--rounds 2] [--phase-s 20]
 
 Phases alternate (quiet, hostile, quiet, hostile, ...): in each, four users
 stream over WebSocket, one generation after another; in a hostile phase, at
@@ -217,7 +217,7 @@ def main() -> None:
 def write(args: argparse.Namespace, phases: list[dict[str, Any]], rss: dict[str, float], kv_used: float) -> None:
     m = machine()
     path = dated("hostile_load")
-    command = "python -m bench.hostile_load" + (" --sim" if args.sim else "")
+    command = "python -m bench.gateway.hostile_load" + (" --sim" if args.sim else "")
     command += f" --rounds {args.rounds} --phase-s {args.phase_s:g}"
     doc = {"command": command, "machine": m, "phases": phases, "rss_mb": rss, "kv_blocks_used_at_end": kv_used}
     path.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -1,9 +1,10 @@
 """The simulator's prediction beside what the real server measured, row by row.
 
     .venv/bin/stallfree profile --threads 1 --save profile.json   # fit the cost model here
-    .venv/bin/python -m bench.sim_vs_measured --profile profile.json [--compare bench/results/compare-<date>.json]
+    .venv/bin/python -m bench.simulator.sim_vs_measured --profile profile.json \
+        [--compare bench/results/compare-<date>.json]
 
-Replays bench.compare's workloads (decode at 8 and 32 streams; 8 streams
+Replays bench.serving.compare's workloads (decode at 8 and 32 streams; 8 streams
 while a 2,000-token prompt arrives, at budgets 512 and 256 and unchunked)
 through the real scheduler on the simulated runner with the fitted cost
 model, and sets each predicted figure beside stallfree's measured median from
@@ -19,8 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.compare import METRICS, PHASES
 from bench.record import OUT, dated, table
+from bench.serving.compare import METRICS, PHASES
 from core.analysis.profiler import Profile
 from core.analysis.simulator import make_arrival, simulate
 from core.sched.config import CacheConfig, SchedulerConfig
@@ -28,7 +29,7 @@ from core.sched.timings import gaps_ns, percentile, request_timings
 
 
 def arrivals(scenario: str) -> list:
-    """bench.compare's jobs: decodeN (64-token prompts, 128 tokens) or interference."""
+    """bench.serving.compare's jobs: decodeN (64-token prompts, 128 tokens) or interference."""
     if scenario.startswith("decode"):
         return [make_arrival(0.0, f"decoder{i}", 64, 128) for i in range(int(scenario[6:]))]
     decoders = [make_arrival(0.0, f"decoder{i}", 32, 160) for i in range(8)]
@@ -73,7 +74,7 @@ def main() -> None:
         want = predict(profile, phase, scenario)[group][key]
         rows.append({"metric": label, "measured": got, "simulated": want, "error_pct": (want - got) / got * 100})
     errors = [abs(r["error_pct"]) for r in rows]
-    command = f"python -m bench.sim_vs_measured {' '.join(sys.argv[1:])}".strip()
+    command = f"python -m bench.simulator.sim_vs_measured {' '.join(sys.argv[1:])}".strip()
     doc = {"command": command, "compare": compare.name, "profile": profile.to_json(), "rows": rows}
     base = dated("sim_vs_measured")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))

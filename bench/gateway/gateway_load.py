@@ -1,6 +1,6 @@
 """Gateway load: concurrent WebSocket streams against the simulated runner.
 
-    .venv/bin/python -m bench.gateway_load [--streams 100,250,500,1000]
+    .venv/bin/python -m bench.gateway.gateway_load [--streams 100,250,500,1000]
         [--streams-per-connection 20] [--time-scales 1,0.1] [--seconds 10]
         [--repeats N] [--baseline PATH]
 
@@ -142,7 +142,7 @@ def main() -> None:
                     row = {"server": server, "streams": streams, "connections": connections, "time_scale": scale}
                     rows.append({**row, "repeat": rep, **result})
                     print(json.dumps(rows[-1]), file=sys.stderr)
-    command = "python -m bench.gateway_load " + " ".join(sys.argv[1:])
+    command = "python -m bench.gateway.gateway_load " + " ".join(sys.argv[1:])
     doc = {"command": command.strip(), "machine": machine(), "rows": rows}
     base = dated("gateway_load")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))

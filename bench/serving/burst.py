@@ -2,7 +2,7 @@
 once while users decode. How long does the last one wait for its first token,
 and what does chunking do to the decoders meanwhile?
 
-    .venv/bin/python -m bench.burst [--repeats 2] [--prompts 4] [--tokens 1500]
+    .venv/bin/python -m bench.serving.burst [--repeats 2] [--prompts 4] [--tokens 1500]
 
 Starts `stallfree serve` (embedded model, one torch thread, budget 512) and
 alternates chunking stall_free / none through /api/config (A B A B).
@@ -66,7 +66,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         server.stop()
-    command = ("python -m bench.burst " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.serving.burst " + " ".join(sys.argv[1:])).strip()
     base = dated("burst")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "args": vars(args), "rows": rows}, indent=2))
     lines = [

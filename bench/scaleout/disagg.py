@@ -2,7 +2,7 @@
 same two engines, on the real model, with the simulator's prediction beside.
 
     .venv/bin/stallfree profile --threads 1 --save profile.json   # this machine's cost model
-    .venv/bin/python -m bench.disagg --profile profile.json [--repeats 2]
+    .venv/bin/python -m bench.scaleout.disagg --profile profile.json [--repeats 2]
 
 Three `stallfree serve` set-ups, each two engines of 1 torch thread on Ray
 Serve, started in turn and alternated: ``--disaggregate 1:1`` (a prefill
@@ -199,7 +199,7 @@ def main() -> None:
     agreement = {setup: sum(a == b for a, b in zip(t, reference, strict=True)) for setup, t in texts.items()}
 
     m = machine()
-    command = ("python -m bench.disagg " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.scaleout.disagg " + " ".join(sys.argv[1:])).strip()
     base = dated("disagg")
     record: dict[str, Any] = {"command": command, "machine": m, "args": vars(args), "link_probe": probe}
     record |= {"prediction": prediction, "rows": rows, "greedy_texts": texts, "greedy_agreement": agreement}

@@ -1,7 +1,7 @@
 """Paged attention alone, native C++ kernel vs the torch reference, on the
 embedded model's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16).
 
-    .venv/bin/python -m bench.attention_kernels [--repeats 15] [--dtype auto]
+    .venv/bin/python -m bench.kernels.attention_kernels [--repeats 15] [--dtype auto]
 
 Reports each kernel's time per layer, its attention FLOP rate and the KV
 bytes it must read per second (the decode roofline), alternating the two
@@ -81,7 +81,7 @@ def main() -> None:
         row["speedup_range"] = (min(ratios), max(ratios))
         rows.append(row)
     m = machine()
-    command = f"python -m bench.attention_kernels {' '.join(sys.argv[1:])}".strip()
+    command = f"python -m bench.kernels.attention_kernels {' '.join(sys.argv[1:])}".strip()
     base = dated("attention_kernels")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "machine": m, "rows": rows}, indent=2))
     lines = [

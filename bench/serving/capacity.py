@@ -1,7 +1,7 @@
 """Capacity under a TBT SLO (Sarathi-Serve's), stallfree beside vLLM, on production traces.
 
     bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
-    .venv/bin/python -m bench.capacity [--trace azure|mooncake|both] [--duration-s 60] \
+    .venv/bin/python -m bench.serving.capacity [--trace azure|mooncake|both] [--duration-s 60] \
         [--vllm-budgets 128,256,512,1024] [--profile bench/results/profile-....json]
 
 Capacity is the highest arrival rate at which the P99 gap between tokens
@@ -136,7 +136,7 @@ def main() -> None:
     profile = Profile.load(profile_path)
     budgets = [int(b) for b in args.vllm_budgets.split(",")]
     doc: dict[str, Any] = {
-        "command": "python -m bench.capacity " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.serving.capacity " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "dtype": dtype,
@@ -204,7 +204,7 @@ def measure_profile(dtype: str) -> Path:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     command = " ".join(["stallfree", *cmd[3:]])
     path.with_suffix(".md").write_text(
-        f"# `stallfree profile` for bench.capacity\n\n`{command}` on {describe(machine())}, "
+        f"# `stallfree profile` for bench.serving.capacity\n\n`{command}` on {describe(machine())}, "
         f"{time.strftime('%Y-%m-%d')}.\n\n```text\n{out.stdout.strip()}\n```\n"
     )
     return path

@@ -1,7 +1,7 @@
 """Greedy agreement of the kernel paths: native vs reference, in bf16 and fp32,
 each against the fp32 reference, on the embedded model.
 
-    .venv/bin/python -m bench.greedy_agreement [--tokens 32]
+    .venv/bin/python -m bench.accuracy.greedy_agreement [--tokens 32]
 
 bf16 rounds differently on each path (the reference rounds softmax
 probabilities to bf16 before P.V; the native kernels keep them in fp32), so
@@ -76,7 +76,7 @@ def main() -> None:
             }
         )
     m = machine()
-    command = f"python -m bench.greedy_agreement {' '.join(sys.argv[1:])}".strip()
+    command = f"python -m bench.accuracy.greedy_agreement {' '.join(sys.argv[1:])}".strip()
     base = dated("greedy_agreement")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "machine": m, "rows": rows}, indent=2))
     n = len(prompts)

@@ -1,8 +1,8 @@
 """What scale-out costs and buys, side by side in one run: one ``stallfree
 serve`` process against ``--replicas 2`` (Ray Serve), started in turn.
 
-    python -m bench.replicas hop [--streams 100 --seconds 10 --repeats 3]
-    python -m bench.replicas throughput [--clients 8 --seconds 40 --repeats 2]
+    python -m bench.scaleout.replicas hop [--streams 100 --seconds 10 --repeats 3]
+    python -m bench.scaleout.replicas throughput [--clients 8 --seconds 40 --repeats 2]
 
 hop: the simulated runner (no model), 100 concurrent WebSocket streams;
 per token frame, the delivery latency (client receive minus the engine's
@@ -28,7 +28,7 @@ import time
 import orjson
 from websockets.asyncio.client import connect
 
-from bench.gateway_load import run_load
+from bench.gateway.gateway_load import run_load
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from loadtest.generator import WORDS
@@ -147,7 +147,7 @@ def main() -> None:
         rows = throughput(args)
         keys = [("tokens_per_s", "tokens/s"), ("requests_finished", "requests finished")]
         title = f"# Real model: 2 replicas (1 thread each) vs 1 process (1 thread), {args.clients} closed-loop clients"
-    command = "python -m bench.replicas " + " ".join(sys.argv[1:])
+    command = "python -m bench.scaleout.replicas " + " ".join(sys.argv[1:])
     base = dated(f"replicas_{args.what}")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "machine": m, "rows": rows}, indent=2))
     lines = [

@@ -1,7 +1,7 @@
 """The scheduler's sharing rules on paper: the simulator (article GPU, 8B
 model) runs each scenario with the rule on and off.
 
-    .venv/bin/python -m bench.scheduler_scenarios
+    .venv/bin/python -m bench.simulator.scheduler_scenarios
 
 short-behind-long: short-first (``long_prefill_tokens`` default) vs off.
 multi-tenant: the ``fair`` policy vs ``fcfs``.
@@ -48,7 +48,7 @@ def main() -> None:
                 "throughput_tokens_per_s": rep["summary"]["throughput_tokens_per_s"],
             }
         )
-    command = "python -m bench.scheduler_scenarios"
+    command = "python -m bench.simulator.scheduler_scenarios"
     base = dated("scheduler_scenarios")
     base.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     lines = [

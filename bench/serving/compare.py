@@ -1,7 +1,7 @@
 """stallfree and vLLM side by side on this machine, same weights, same CPU split.
 
     bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
-    .venv/bin/python -m bench.compare [--repeats 3] [--dtype auto]
+    .venv/bin/python -m bench.serving.compare [--repeats 3] [--dtype auto]
 
 Both engines serve bench/peers/vllm/smollm2-hf (the embedded SmolLM2 GGUF
 converted by `stallfree export`) in one dtype (``auto``: what stallfree picks
@@ -190,7 +190,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
                 "stallfree_better": better,
             }
         )
-    command = ("python -m bench.compare " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.serving.compare " + " ".join(sys.argv[1:])).strip()
     m = machine()
     base = dated("compare")
     base.with_suffix(".json").write_text(

@@ -1,6 +1,6 @@
 """GPU check of the Triton kernels (one run, well under 10 minutes on an H200).
 
-    python -m bench.gpu_kernels [--out bench/results/gpu]
+    python -m bench.kernels.gpu_kernels [--out bench/results/gpu]
 
 1. Correctness of every kernel against its torch reference on the GPU (bf16).
 2. Paged attention throughput for decode-heavy, prefill-heavy and mixed

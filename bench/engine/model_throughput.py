@@ -1,7 +1,7 @@
 """Real-model throughput on this machine: decode tokens/s at 1/8/32/64 streams,
 prefill tokens/s, and the per-iteration Python overhead.
 
-    .venv/bin/python -m bench.model_throughput [--repeats 3] [--threads 1,2]
+    .venv/bin/python -m bench.engine.model_throughput [--repeats 3] [--threads 1,2]
 
 Thread counts are interleaved within each repeat (A B A B ...), so slow
 phases of this shared machine hit every configuration alike; medians over the
@@ -112,7 +112,7 @@ def main() -> None:
     summary = {
         key: {m: statistics.median(r[m] for r in runs) for m in runs[0]} | {"runs": runs} for key, runs in raw.items()
     }
-    command = "python -m bench.model_throughput " + " ".join(sys.argv[1:])
+    command = "python -m bench.engine.model_throughput " + " ".join(sys.argv[1:])
     doc = {
         "command": command.strip(),
         "model": runner.config.name,
