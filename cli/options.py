@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
-from core.sched.config import CHUNKING_MODES, POLICIES, SchedulerConfig
+from core.sched.config import CHUNKING_MODES, POLICIES, SPECULATE_MODES, SchedulerConfig
 
 if TYPE_CHECKING:
     from core.analysis.disagg_plan import Link
@@ -134,6 +134,10 @@ SCHEDULER_FIELDS = (
     "decode_reserve_tokens",
     "long_prefill_tokens",
     "tbt_slo_ms",
+    "speculate",
+    "draft_tokens",
+    "ngram_min",
+    "ngram_max",
 )
 
 
@@ -165,6 +169,15 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="TBT target: while decodes run, each iteration's prefill is cut so its predicted time stays "
         "within this many ms (default 0: off; the token budget alone)",
     )
+    g.add_argument(
+        "--speculate",
+        choices=SPECULATE_MODES,
+        help="ngram: speculative decoding by prompt lookup; drafts take only what decodes and prefill leave "
+        "of the budget and TBT target, and only where the cost model says they pay (default off)",
+    )
+    g.add_argument("--draft-tokens", type=int, help="most draft tokens per decode (default 4)")
+    g.add_argument("--ngram-min", type=int, help="shortest suffix looked up for drafts (default 2)")
+    g.add_argument("--ngram-max", type=int, help="longest suffix looked up for drafts (default 4)")
 
 
 def _budget(text: str) -> int | str:

@@ -166,8 +166,9 @@ def local_backend(
         # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
         settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
     runner = load_runner(settings_model)
-    # a target in time, the auto budget and dynamic chunking deserve a fitted model, measured now if none is saved
-    measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms)
+    # a target in time, the auto budget, dynamic chunking and the drafts' cost rule deserve a fitted
+    # model, measured now if none is saved
+    measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms) or config.speculate != "off"
     prof, source = startup_profile(runner, args.profile, measure)
     engine = engine_over(runner, config, prof)
     facts |= {

@@ -53,6 +53,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_cost_args(s)
     s.add_argument("--profile", type=Path, help="cost model from `stallfree profile` (this machine's real model)")
     s.add_argument("--iterations", action="store_true", help="also print every iteration")
+    s.add_argument(
+        "--draft-acceptance",
+        type=float,
+        help="with --speculate: every decode proposes drafts and the simulated model keeps each with this "
+        "probability (the workload's acceptance rate, 0-1)",
+    )
     c = s.add_argument_group(
         "replicas (--replicas N: N engines behind a router on the multi-turn chat workload, --rate "
         "conversations started per second, default 2 per replica; the scenario and trace options do not apply)"
@@ -131,7 +137,7 @@ def run(args: argparse.Namespace) -> None:
     config = scheduler_config(args, defaults)
     cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
     cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
-    result = simulate(arrivals, config, cache, cost)
+    result = simulate(arrivals, config, cache, cost, args.draft_acceptance)
     for warning in result.engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     rep = report(result)

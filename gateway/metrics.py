@@ -100,6 +100,17 @@ class Metrics(Observer):
             "stallfree_prefix_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
         self.preemptions = Counter("stallfree_preemptions", "Requests preempted (recompute)", registry=r)
+        self.draft_tokens = Counter(
+            "stallfree_draft_tokens", "Draft tokens verified (speculative decoding)", ["outcome"], registry=r
+        )
+        self.drafts_declined = Counter(
+            "stallfree_drafts_declined", "Decodes whose drafts the cost model said would not pay", registry=r
+        )
+        self.tokens_per_step = Gauge(
+            "stallfree_decode_tokens_per_step",
+            "Tokens each decode yielded per iteration, the latest iteration with decodes (1 without speculation)",
+            registry=r,
+        )
         self.finished = Counter("stallfree_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.aborts = Counter("stallfree_aborts", "Requests aborted (cancel, disconnect, stop string)", registry=r)
         self.errors = Counter("stallfree_errors", "Errors returned to clients, by code", ["code"], registry=r)
@@ -133,6 +144,14 @@ class Metrics(Observer):
         self.chunking.state(it.chunking)
         if it.preemptions:
             self.preemptions.inc(it.preemptions)
+        if it.draft_tokens:
+            self.draft_tokens.labels("accepted").inc(it.accepted_tokens)
+            self.draft_tokens.labels("rejected").inc(it.draft_tokens - it.accepted_tokens)
+        if it.drafts_declined:
+            self.drafts_declined.inc(it.drafts_declined)
+        steps = it.decode_tokens - it.draft_tokens
+        if steps:
+            self.tokens_per_step.set((steps + it.accepted_tokens) / steps)
 
     def on_counts(self, c: Counts) -> None:
         self.running.set(c.running)

@@ -67,6 +67,7 @@ COMMON: dict[str, str | NoOp] = {
     "ignore_eos": IMPLEMENTED,
     "priority": IMPLEMENTED,
     "traceparent": IMPLEMENTED,
+    "speculate": IMPLEMENTED,  # false: no draft tokens for this request when the server speculates
 }
 
 CHAT: dict[str, str | NoOp] = {

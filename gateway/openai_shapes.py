@@ -29,18 +29,27 @@ class Shape:
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, known at the end
+        self.draft_tokens = self.accepted_tokens = 0  # speculative decoding's, known at the end
 
     def count(self, piece: Piece) -> None:
         self.completion_tokens += len(piece.token_ids)
         if piece.request is not None:
             self.cached_tokens = piece.request.num_cached_tokens
+            self.draft_tokens = piece.request.num_draft_tokens
+            self.accepted_tokens = piece.request.num_accepted_tokens
 
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; draft tokens as its predicted outputs' (vLLM reports them
+        only in metrics): kept ones accepted, the others rejected."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": self.accepted_tokens,
+                "rejected_prediction_tokens": self.draft_tokens - self.accepted_tokens,
+            },
         }
 
     def piece_logprobs(self, piece: Piece) -> dict[str, Any] | None:

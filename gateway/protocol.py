@@ -210,6 +210,7 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
         logprobs=integer(body, "logprobs", None, 0, MAX_LOGPROBS),
         grammar=_grammar(body.get("response_format")),
+        speculate=boolean(body, "speculate", True),
     )
     priority = integer(body, "priority", 0, -(2**31), 2**31 - 1) or 0
     return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)

@@ -32,6 +32,8 @@ class Telemetry(Observer):
         # [t ms, duration ms, decode, prefill, budget, predicted ms, TBT target ms]
         self._iterations: list[list[float]] = []
         self._missed = 0  # iterations over the TBT target, since start
+        # speculative decoding since start: draft tokens verified, kept; decodes declined; decode steps
+        self._drafts = {"draft_tokens": 0, "accepted_tokens": 0, "drafts_declined": 0, "decode_steps": 0}
         self._ttfts: list[list[Any]] = []  # [request id, queue ms, prefill ms]
         self._window: deque[tuple[int, float]] = deque(maxlen=20_000)  # (t ns, gap ms)
         self._slots: dict[str, int] = {}
@@ -44,6 +46,11 @@ class Telemetry(Observer):
     def on_iteration(self, it: IterationRecord) -> None:
         self._last = it
         self._missed += it.target_missed is not None
+        d = self._drafts
+        d["draft_tokens"] += it.draft_tokens
+        d["accepted_tokens"] += it.accepted_tokens
+        d["drafts_declined"] += it.drafts_declined
+        d["decode_steps"] += it.decode_tokens - it.draft_tokens
         if len(self._iterations) < MAX_PENDING:
             self._iterations.append(
                 [
@@ -110,6 +117,17 @@ class Telemetry(Observer):
             "kv_free": it.kv_free_blocks if it else 0,
         }
 
+    def _speculation(self) -> dict[str, float]:
+        d = self._drafts
+        steps = d["decode_steps"]
+        per_step = (steps + d["accepted_tokens"]) / steps if steps else 1.0
+        return {
+            "draft_tokens": d["draft_tokens"],
+            "accepted_tokens": d["accepted_tokens"],
+            "drafts_declined": d["drafts_declined"],
+            "tokens_per_step": round(per_step, 3),
+        }
+
     def frame(self, config: dict[str, Any]) -> dict[str, Any]:
         """Everything since the previous frame, plus rolling gap statistics."""
         now = time.perf_counter_ns()
@@ -130,7 +148,7 @@ class Telemetry(Observer):
                 "count": len(gaps),
                 "window_s": WINDOW_S,
             },
-            "state": {**self._state(), "target_missed": self._missed, **config},
+            "state": {**self._state(), "target_missed": self._missed, **self._speculation(), **config},
         }
         if self._replicas:
             frame["replicas"] = [

@@ -139,6 +139,8 @@ class Tracing(Observer):
                         "stallfree.itl_p99_ms": t.itl_p99_ms,
                         "stallfree.max_gap_ms": t.max_gap_ms,
                         "stallfree.stalled_gaps": t.stalled_gaps,
+                        "stallfree.draft_tokens": req.num_draft_tokens,
+                        "stallfree.accepted_draft_tokens": req.num_accepted_tokens,
                     }
                 )
                 decode.end(self._wall(end))
@@ -171,6 +173,9 @@ class Tracing(Observer):
                 "stallfree.predicted_ms": it.predicted_ns / 1e6,
                 "stallfree.tbt_slo_ms": it.tbt_slo_ms,
                 "stallfree.chunking": it.chunking,
+                "stallfree.draft_tokens": it.draft_tokens,
+                "stallfree.accepted_draft_tokens": it.accepted_tokens,
+                "stallfree.drafts_declined": it.drafts_declined,
             },
         )
         if it.target_missed is not None:

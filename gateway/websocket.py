@@ -283,6 +283,8 @@ def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int)
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "cached_tokens": req.num_cached_tokens if req is not None else 0,
+            "draft_tokens": req.num_draft_tokens if req is not None else 0,
+            "accepted_draft_tokens": req.num_accepted_tokens if req is not None else 0,
         },
         "timings": {k: timings.get(k, 0.0) for k in TIMINGS},
     }

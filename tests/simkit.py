@@ -31,13 +31,19 @@ def request(
 
 
 def sim_engine(
-    num_blocks: int = 256, block_size: int = 4, prefix_caching: bool = True, cost: CostModel | None = None, **sched
+    num_blocks: int = 256,
+    block_size: int = 4,
+    prefix_caching: bool = True,
+    cost: CostModel | None = None,
+    vocab_size: int = 32000,
+    **sched,
 ) -> Engine:
     """An engine on SimRunner with a virtual clock (engine.clock); by default
-    the article's model and GPU, with attention."""
+    the article's model and GPU, with attention. A small ``vocab_size`` makes
+    its outputs repeat, so prompt lookup finds drafts (tokens 17..vocab_size-1)."""
     clock = VirtualClock()
     cost = cost or CostModel(attention=True)
-    runner = SimRunner(cost, block_size, clock)
+    runner = SimRunner(cost, block_size, clock, vocab_size)
     sched.setdefault("max_num_seqs", 8)
     sched.setdefault("token_budget", 32)
     return Engine(

@@ -40,6 +40,7 @@ GOOD = {
     "top_logprobs": 2,
     "priority": 1,
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "speculate": False,
     "messages": [{"role": "user", "content": "Hi"}],
     "prompt": "Hi",
 }

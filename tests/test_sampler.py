@@ -99,9 +99,9 @@ def test_counts_follow_sampled_tokens_and_rebuild_after_preemption():
     logits = torch.zeros(1, vocab)
     logits[0, 5] = 3.0
     logits[0, 6] = 2.5
-    first = sampler(logits.clone(), [req]).tokens[0]
+    (first,) = sampler(logits.clone(), [req]).tokens[0]
     req.output_token_ids.append(first)
-    second = sampler(logits.clone(), [req]).tokens[0]
+    (second,) = sampler(logits.clone(), [req]).tokens[0]
     assert (first, second) == (5, 6)  # 5 was penalized by its one occurrence (3 - 2 < 2.5)
     row = sampler.counts.rows([req])
     assert sampler.counts.output[row].sum().item() == 1  # counted once, without a rebuild
@@ -133,7 +133,7 @@ def test_logit_bias_forces_and_bans_tokens():
     logits = torch.zeros(2, 10)
     logits[:, 3] = 5.0
     reqs = [_req("f", [1], [], logit_bias=((7, 100.0),)), _req("b", [1], [], logit_bias=((3, -100.0),))]
-    assert sampler(logits, reqs).tokens == [7, 0]
+    assert sampler(logits, reqs).tokens == [[7], [0]]
 
 
 def test_min_p_drops_unlikely_tokens():

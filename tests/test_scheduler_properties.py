@@ -15,9 +15,13 @@ every iteration:
 - a preempted decode never has higher priority than one that was served;
 - under a TBT target, an iteration with decodes is predicted within the
   target unless the floor was in force (it says so), and every prompt still
-  finishes (the floor and the long prompt's share keep prefill moving).
+  finishes (the floor and the long prompt's share keep prefill moving);
+- with speculation on (outputs of a 3-token vocabulary repeat, so drafts are
+  proposed, kept and rejected), all of the above hold with the drafts
+  counted: rejected drafts' blocks go back, preemption and aborts mid-speculation leak nothing.
 And: chunked, unchunked and decode-first runs, roomy or tight KV (with
-preemption), sized by a TBT target or not, give identical token streams.
+preemption), sized by a TBT target or not, speculating or not, give
+identical token streams.
 """
 
 from __future__ import annotations
@@ -71,8 +75,11 @@ config = st.fixed_dictionaries(
         "max_defer_s": st.sampled_from([0.05, 0.2, 30.0]),
         "decode_reserve_tokens": st.sampled_from([0, 0, 4, 16]),
         "tbt_slo_ms": st.sampled_from([0.0, 0.0, 5.0, 8.0, 15.0, 30.0]),
+        "speculate": st.sampled_from(["off", "ngram"]),
+        "draft_tokens": st.integers(1, 6),
     }
 )
+SMALL_VOCAB = 20  # SimRunner draws tokens 17..19: outputs repeat, prompt lookup proposes drafts
 
 
 def build(i: int, s: Spec):
@@ -90,7 +97,14 @@ def run(
     max_model_len: int = 256,
 ):
     """Drive a trace to completion on a virtual clock; returns the engine and the requests."""
-    e = sim_engine(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, cost=SLOW, **cfg)
+    e = sim_engine(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        cost=SLOW,
+        vocab_size=SMALL_VOCAB,
+        **cfg,
+    )
     if check is not None:
         e.scheduler.schedule = check(e, e.scheduler.schedule)
     reqs = [build(i, s) for i, s in enumerate(specs)]
@@ -133,7 +147,15 @@ def invariants(e, schedule):
         long_partial = [
             r for r in cfg_holder.running if r.status == RequestStatus.PREFILLING and r.num_pending_tokens > limit
         ]
+        for r in decoding:  # no block beyond its KV: a rejected draft's block went back
+            assert len(r.block_ids) == e.kv.blocks_for(r.num_computed_tokens), r.request_id
         batch = schedule(now_ns)
+        if batch.draft_tokens:
+            event("drafts verified")
+            assert cfg.speculate == "ngram"
+            assert all(
+                i.samples and not i.is_prefill and i.num_tokens == 1 + len(i.drafts) for i in batch.items if i.drafts
+            )
         if cfg.chunking == "stall_free" and long_partial and batch.decode_tokens < cfg.token_budget:
             assert any(i.request is long_partial[0] for i in batch.items), "a long prefill starved"
         served = [i.request for i in batch.items if not i.is_prefill]
@@ -198,12 +220,14 @@ def test_invariants_hold_on_random_traces(specs, cfg, num_blocks, block_size):
 )
 def test_token_streams_identical_across_modes_and_memory(specs, budget, policy, tight_blocks):
     results = []
-    for chunking, blocks, dynamic, tbt_slo_ms in [
-        ("stall_free", 400, False, 0.0),
-        ("none", 400, False, 0.0),
-        ("decode_first", 400, False, 0.0),
-        ("stall_free", tight_blocks, True, 0.0),
-        ("stall_free", 400, False, 8.0),
+    for chunking, blocks, dynamic, tbt_slo_ms, speculate in [
+        ("stall_free", 400, False, 0.0, "off"),
+        ("none", 400, False, 0.0, "off"),
+        ("decode_first", 400, False, 0.0, "off"),
+        ("stall_free", tight_blocks, True, 0.0, "off"),
+        ("stall_free", 400, False, 8.0, "off"),
+        ("stall_free", 400, False, 0.0, "ngram"),
+        ("stall_free", tight_blocks, False, 8.0, "ngram"),
     ]:
         cfg = {
             "token_budget": budget,
@@ -213,9 +237,13 @@ def test_token_streams_identical_across_modes_and_memory(specs, budget, policy, 
             "dynamic_chunking": dynamic,
             "decode_reserve_tokens": 0,
             "tbt_slo_ms": tbt_slo_ms,
+            "speculate": speculate,
         }
         e, reqs = run(specs, cfg, blocks, 4, aborts=False, max_model_len=128)
         results.append([r.output_token_ids for r in reqs])
         if blocks == tight_blocks:
             event(f"tight run preempted: {e.scheduler.num_preemptions > 0}")
-    assert results[0] == results[1] == results[2] == results[3] == results[4]
+        if speculate == "ngram":
+            event(f"drafts kept: {sum(r.num_accepted_tokens for r in reqs) > 0}")
+            event(f"drafts rejected: {sum(r.num_draft_tokens - r.num_accepted_tokens for r in reqs) > 0}")
+    assert all(r == results[0] for r in results[1:])

@@ -123,6 +123,9 @@ function onFrame(f) {
   $("kv").textContent = `${s.kv_used} / ${s.kv_cached} / ${s.kv_free}`;
   $("mode").textContent = `${s.chunking} · ${s.token_budget}` + (s.tbt_slo_ms ? ` · ${s.tbt_slo_ms} ms` : "");
   $("missed").textContent = `${s.target_missed}`;
+  $("drafts").textContent = s.speculate === "off" ? "off" : s.draft_tokens
+    ? `${(100 * s.accepted_tokens / s.draft_tokens).toFixed(0)}% · ${s.tokens_per_step.toFixed(2)} (declined ${s.drafts_declined})`
+    : `none yet (declined ${s.drafts_declined})`;
   showReplicas(f.replicas);
 }
 
@@ -187,6 +190,7 @@ async function loadConfig() {
   $("budget").value = c.token_budget;
   $("tbt").value = c.tbt_slo_ms;
   $("policy").value = c.policy;
+  $("speculate").value = c.speculate;
 }
 
 async function applyConfig(changes) {
@@ -198,12 +202,14 @@ async function applyConfig(changes) {
   if (!r.ok) { status(body.error.message); return; }
   const c = body.scheduler;
   if ("token_budget" in changes) $("budget").value = c.token_budget;  // shows a clamp
-  status(`applied: ${c.chunking}, budget ${c.token_budget}, TBT target ${c.tbt_slo_ms || "off"}, ${c.policy}` +
+  status(`applied: ${c.chunking}, budget ${c.token_budget}, TBT target ${c.tbt_slo_ms || "off"}, ${c.policy}, ` +
+         `speculate ${c.speculate}` +
          (body.warnings.length ? ` (${body.warnings.join("; ")})` : ""));
 }
 
 $("chunking").onchange = () => applyConfig({ chunking: $("chunking").value });
 $("policy").onchange = () => applyConfig({ policy: $("policy").value });
+$("speculate").onchange = () => applyConfig({ speculate: $("speculate").value });
 $("apply").onclick = () => applyConfig({ chunking: $("chunking").value, policy: $("policy").value,
                                          token_budget: Number($("budget").value),
                                          tbt_slo_ms: Number($("tbt").value) });

@@ -10,6 +10,8 @@ import time
 from core import faults
 from core.sched.batch import Batch, Sampled
 from core.sched.cost import IterationCost
+from core.sched.drafts import NgramDrafter, verified
+from core.sched.request import Request
 
 
 class VirtualClock:
@@ -23,6 +25,19 @@ class VirtualClock:
 
     def advance(self, ns: int) -> None:
         self.now_ns += ns
+
+
+class SimDrafter(NgramDrafter):
+    """The simulator's drafts: every decode proposes as many as it may, as if
+    the whole workload echoed its context; the SimRunner's ``acceptance``
+    decides how many the simulated model keeps. How many it may propose, and
+    its acceptance rate, follow NgramDrafter's rules."""
+
+    def propose(self, req: Request, k: int, ngram: tuple[int, int]) -> tuple[int, ...]:
+        return (DRAFT_TOKEN,) * k
+
+
+DRAFT_TOKEN = 17  # what SimDrafter proposes (the smallest token SimRunner draws)
 
 
 class SimRunner:
@@ -40,6 +55,11 @@ class SimRunner:
     ``read_context=False`` skips reading the context back (tokens then depend
     only on the last token and position): for load tests of the gateway,
     where the check would cost more than the model it stands in for.
+
+    Draft tokens are verified as the model runner does (``verified``); with
+    ``acceptance`` the simulated model also agrees with each draft with that
+    probability (a hash of the context decides), which is how the simulator
+    models a workload's acceptance rate (``core.analysis.simulator``).
     """
 
     eos_token_ids: frozenset[int] = frozenset()
@@ -52,6 +72,7 @@ class SimRunner:
         vocab_size: int = 32000,
         time_scale: float = 1.0,
         read_context: bool = True,
+        acceptance: float = 0.0,
     ) -> None:
         self.cost = cost
         self.block_size = block_size
@@ -59,6 +80,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.time_scale = time_scale
         self.read_context = read_context
+        self.acceptance = acceptance
         self._slots: dict[int, list[int]] = {}
 
     def predict_s(self, batch: Batch) -> float:
@@ -88,18 +110,28 @@ class SimRunner:
         sampled = []
         for item in batch.items:
             req = item.request
-            end = item.start + item.num_tokens
-            if not self.read_context:
-                if item.samples:
-                    sampled.append(17 + (req.token_at(end - 1) * 7919 + end) % (self.vocab_size - 17))
+            fed = item.token_ids()
+            if self.read_context:
+                for pos, token in enumerate(fed, item.start):
+                    self._slots.setdefault(req.block_ids[pos // bs], [0] * bs)[pos % bs] = token
+            if not item.samples:
                 continue
-            for pos, token in enumerate(req.tokens(item.start, end), item.start):
-                self._slots.setdefault(req.block_ids[pos // bs], [0] * bs)[pos % bs] = token
-            if item.samples:
+            drawn = []
+            first = item.start + item.num_tokens - len(item.drafts)  # the position after the request's own tokens
+            for i in range(1 + len(item.drafts)):
+                end = first + i
+                if not self.read_context:
+                    drawn.append(17 + (fed[end - 1 - item.start] * 7919 + end) % (self.vocab_size - 17))
+                    continue
                 context = []
                 for block_id in req.block_ids[: -(-end // bs)]:
                     context += self._slots[block_id]
-                sampled.append(17 + hash(tuple(context[:end])) % (self.vocab_size - 17))
+                key = tuple(context[:end])
+                if i < len(item.drafts) and hash((key, "accept")) % 10_000 < self.acceptance * 10_000:
+                    drawn.append(item.drafts[i])  # the simulated model agrees with this draft
+                else:
+                    drawn.append(17 + hash(key) % (self.vocab_size - 17))
+            sampled.append(verified(item.drafts, drawn))
         duration_ns = int(self.predict_s(batch) * self.time_scale * 1e9)
         if self.clock is not None:
             self.clock.advance(duration_ns)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.analysis.sim_runner import SimRunner, VirtualClock
+from core.analysis.sim_runner import SimDrafter, SimRunner, VirtualClock
 from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
 from core.sched.batch import IterationRecord
-from core.sched.config import CacheConfig, SchedulerConfig
+from core.sched.config import CacheConfig, SchedulerConfig, Speculate
 from core.sched.cost import IterationCost
 from core.sched.engine import Engine
 from core.sched.request import Request, SamplingParams
@@ -117,11 +117,22 @@ class SimResult:
 
 
 def simulate(
-    arrivals: Iterable[Arrival], scheduler: SchedulerConfig, cache: CacheConfig, cost: IterationCost
+    arrivals: Iterable[Arrival],
+    scheduler: SchedulerConfig,
+    cache: CacheConfig,
+    cost: IterationCost,
+    acceptance: float | None = None,
 ) -> SimResult:
+    """``acceptance``: with ``speculate`` on, every decode proposes drafts and
+    the simulated model keeps each with this probability (``SimDrafter``)."""
     clock = VirtualClock()
-    runner = SimRunner(cost, cache.block_size, clock, VOCAB)
-    engine = Engine(scheduler, cache, runner, clock, cost)
+    drafter = None
+    if scheduler.speculate != Speculate.OFF:
+        if acceptance is None or not 0 <= acceptance <= 1:
+            raise ValueError("simulating speculation needs an acceptance rate in [0, 1] (--draft-acceptance)")
+        drafter = SimDrafter()
+    runner = SimRunner(cost, cache.block_size, clock, VOCAB, acceptance=acceptance or 0.0)
+    engine = Engine(scheduler, cache, runner, clock, cost, drafter)
     pending = sorted(arrivals, key=lambda a: a.at_s)
     requests: dict[str, Request] = {}
     iterations = []
@@ -172,6 +183,7 @@ def report(result: SimResult) -> dict[str, Any]:
             **summarize(result.requests.values(), start, end),
             "preemptions": result.engine.scheduler.num_preemptions,
             "prefix_hit_tokens": result.engine.kv.prefix_hit_tokens,
+            **speculation(its),
         },
         "requests": reqs,
         "iterations": [
@@ -189,6 +201,20 @@ def report(result: SimResult) -> dict[str, Any]:
     }
 
 
+def speculation(its: list[IterationRecord]) -> dict[str, float]:
+    """Draft tokens verified and kept, and the decode tokens each speculating or
+    plain decode step yielded on average (1 without speculation)."""
+    drafts = sum(it.draft_tokens for it in its)
+    accepted = sum(it.accepted_tokens for it in its)
+    decode_steps = sum(it.decode_tokens - it.draft_tokens for it in its)
+    return {
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance": accepted / drafts if drafts else 0.0,
+        "tokens_per_decode_step": (decode_steps + accepted) / decode_steps if decode_steps else 0.0,
+    }
+
+
 def format_report(rep: dict[str, Any], max_rows: int = 12, show_iterations: bool = False) -> str:
     s = rep["summary"]
     c = rep["config"]
@@ -198,6 +224,14 @@ def format_report(rep: dict[str, Any], max_rows: int = 12, show_iterations: bool
         f"TTFT p50 {s['ttft_p50_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms | ITL p50 {s['itl_p50_ms']:.2f} ms, "
         f"p99 {s['itl_p99_ms']:.2f} ms, max gap {s['max_gap_ms']:.1f} ms | "
         f"{s['throughput_tokens_per_s']:,.0f} tokens/s, {s['preemptions']} preemptions",
+        *(
+            [
+                f"speculation: {s['draft_tokens']:,} draft tokens verified, {s['acceptance']:.0%} kept, "
+                f"{s['tokens_per_decode_step']:.2f} tokens per decode step"
+            ]
+            if s["draft_tokens"]
+            else []
+        ),
         "",
         f"  {'request':<10} {'prompt':>7} {'out':>5} {'queue':>8} {'prefill':>9} {'decode':>9} {'ttft':>9}"
         f" {'itl p50':>8} {'itl p99':>8} {'max gap':>8}  (ms)",

@@ -27,22 +27,36 @@ class Grammars:
         self._ll: llguidance.LLTokenizer | None = None
         self._matchers: dict[str, tuple[Request, llguidance.LLMatcher]] = {}
 
-    def mask(self, logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
-        """Set to -inf, in rows of logits, every token the row's request's grammar forbids now."""
-        matchers = [self._matcher(requests[i]) for i in rows]
-        bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, m in enumerate(matchers):
-            llguidance.numpy.fill_next_token_bitmask(m, bitmask, j)
+    def mask(self, logits: torch.Tensor, constrained: list[tuple[int, Request, tuple[int, ...]]]) -> None:
+        """Set to -inf every token a request's grammar forbids, in its rows of
+        logits: (first row, request, drafts). A request with drafts has a row
+        per draft position: each row is masked for the grammar's state after
+        the drafts before it, as far as the grammar allows them (the rows after
+        a draft it forbids are never kept: that draft's row cannot draw it)."""
+        plan = []  # (logits row, matcher, drafts to consume before it)
+        for first, req, drafts in constrained:
+            matcher = self._matcher(req)
+            allowed = matcher.validate_tokens(list(drafts)) if drafts else 0
+            plan += [(first + i, matcher, drafts[:i]) for i in range(allowed + 1)]
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(plan), self.vocab_size)
+        for j, (_, matcher, before) in enumerate(plan):
+            if before:
+                matcher.consume_token(before[-1])
+            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, j)
+            if before and (j + 1 == len(plan) or plan[j + 1][1] is not matcher):
+                matcher.rollback(len(before))  # back to the request's own tokens
         bits = torch.arange(32, dtype=torch.int32)
         words = torch.from_numpy(bitmask)
-        allowed = ((words[:, :, None] >> bits) & 1).bool().view(len(rows), -1)[:, : self.vocab_size]
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        allowed_tokens = ((words[:, :, None] >> bits) & 1).bool().view(len(plan), -1)[:, : self.vocab_size]
+        index = torch.tensor([row for row, _, _ in plan], device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed_tokens.to(logits.device), float("-inf"))
 
-    def advance(self, rows: list[int], requests: list[Request], tokens: list[int]) -> None:
-        """The rows' requests sampled these tokens (allowed by their masks)."""
-        for i in rows:
-            self._matchers[requests[i].request_id][1].consume_token(tokens[i])
+    def advance(self, requests: list[Request], tokens: list[list[int]]) -> None:
+        """Each request drew these tokens (allowed by its masks)."""
+        for req, new in zip(requests, tokens, strict=True):
+            matcher = self._matchers[req.request_id][1]
+            for token in new:
+                matcher.consume_token(token)
 
     def release(self, request_ids: list[str]) -> None:
         """Ended requests' matchers."""

@@ -107,18 +107,20 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> Sampled:
         ids: list[int] = []
-        tables, seq_lens, query_lens, logits_rows, sampled = [], [], [], [], []
+        tables, seq_lens, query_lens, sampled, drafts = [], [], [], [], []
+        logits_rows: list[int] = []
         for item in batch.items:
             req = item.request
-            end = item.start + item.num_tokens
-            ids += req.tokens(item.start, end)
+            ids += item.token_ids()
             tables.append(req.block_ids)
-            seq_lens.append(end)
+            seq_lens.append(item.start + item.num_tokens)
             query_lens.append(item.num_tokens)
             if item.samples:
-                logits_rows.append(len(ids) - 1)
+                logits_rows += range(len(ids) - 1 - len(item.drafts), len(ids))
                 sampled.append(req)
-        num_decodes = sum(1 for item in batch.items if not item.is_prefill)
+                drafts.append(item.drafts)
+        # plain decodes lead the batch; speculating ones run as chunks
+        num_decodes = sum(1 for item in batch.items if not item.is_prefill and item.num_tokens == 1)
         dev = self.device
         meta = build_attention_meta(tables, seq_lens, query_lens, num_decodes, self.block_size, dev)
         logits = self.model.forward(
@@ -131,4 +133,4 @@ class ModelRunner:
         )
         if not sampled:
             return Sampled([])
-        return self.sampler(logits, sampled)
+        return self.sampler(logits, sampled, drafts)

@@ -6,7 +6,11 @@ one scatter per iteration). Greedy rows then take the argmax. Other rows:
 temperature, then min-p, top-k, top-p, then an exponential race (argmax of
 p / Exp(1) noise, equivalent to drawing from p). A request with a seed draws
 its noise from a generator seeded by (seed, token index), so its output does
-not depend on batching or preemption.
+not depend on batching, preemption or draft tokens.
+
+A request with draft tokens (speculative decoding) has a row per draft
+position and one after: each is sampled as that position's token would be,
+and the drafts are kept while they equal the draw (``core.sched.drafts``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from core.model.grammar import Grammars
 from core.model.token_counts import TokenCounts
 from core.model.tokenizer import Tokenizer
 from core.sched.batch import Logprobs, Sampled
+from core.sched.drafts import verified
 from core.sched.request import Request, SamplingParams
 
 
@@ -36,9 +41,16 @@ class Sampler:
             self.grammars.release(request_ids)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
-        """logits: [len(requests), vocab] float32, one row per request that samples."""
-        params = [r.sampling for r in requests]
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]] | None = None
+    ) -> Sampled:
+        """logits: [rows, vocab] float32: one row per request that samples, or for
+        a request with draft tokens one per draft position and one after them
+        (each row sampled as that position's own token, then ``verified``)."""
+        drafts = drafts or [()] * len(requests)
+        row_requests = [r for r, d in zip(requests, drafts, strict=True) for _ in range(1 + len(d))]
+        steps = [r.num_output_tokens + i for r, d in zip(requests, drafts, strict=True) for i in range(1 + len(d))]
+        params = [r.sampling for r in row_requests]
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[torch.tensor(asked, device=logits.device)].log_softmax(dim=-1) if asked else None
         biased = [i for i, p in enumerate(params) if p.logit_bias]
@@ -47,21 +59,35 @@ class Sampler:
         penalized = [i for i, p in enumerate(params) if p.uses_history]
         rows = None
         if penalized:
-            rows = self.counts.rows([requests[i] for i in penalized])
+            if any(len(d) for d, r in zip(drafts, requests, strict=True) if r.sampling.uses_history):
+                raise ValueError("a request with penalties cannot have drafts (the scheduler never gives it any)")
+            rows = self.counts.rows([row_requests[i] for i in penalized])
             penalize(logits, penalized, rows, self.counts, params)
-        constrained = [i for i, p in enumerate(params) if p.grammar is not None]
+        firsts = [0]
+        for d in drafts:
+            firsts.append(firsts[-1] + 1 + len(d))
+        constrained = [j for j, r in enumerate(requests) if r.sampling.grammar is not None]
         if constrained:
             if self.grammars is None:
                 raise ValueError("this sampler has no tokenizer for grammars")
-            self.grammars.mask(logits, constrained, requests)
-        tokens = sample(logits, params, [r.num_output_tokens for r in requests])
+            self.grammars.mask(logits, [(firsts[j], requests[j], drafts[j]) for j in constrained])
+        drawn = sample(logits, params, steps)
+        tokens = [
+            verified(d, drawn[first : first + 1 + len(d)]) if d else [drawn[first]]
+            for first, d in zip(firsts, drafts, strict=False)
+        ]
         if constrained and self.grammars is not None:
-            self.grammars.advance(constrained, requests, tokens)
+            self.grammars.advance([requests[j] for j in constrained], [tokens[j] for j in constrained])
         if rows is not None:
-            self.counts.add(rows, torch.tensor([tokens[i] for i in penalized], device=logits.device))
+            self.counts.add(rows, torch.tensor([drawn[i] for i in penalized], device=logits.device))
         if raw is None:
             return Sampled(tokens)
-        return Sampled(tokens, token_logprobs(raw, asked, [tokens[i] for i in asked], params, len(requests)))
+        per_row = token_logprobs(raw, asked, [drawn[i] for i in asked], params, len(params))
+        logprobs: list[list[Logprobs] | None] = []
+        for first, got in zip(firsts, tokens, strict=False):
+            lps = per_row[first : first + len(got)]
+            logprobs.append([lp for lp in lps if lp is not None] if lps[0] is not None else None)
+        return Sampled(tokens, logprobs)
 
 
 def token_logprobs(

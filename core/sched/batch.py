@@ -13,24 +13,36 @@ from core.sched.request import Request
 class Item:
     """One request's share of an iteration: tokens [start, start + num_tokens).
 
+    A speculating decode's last ``len(drafts)`` tokens are its draft tokens,
+    not yet the request's: the runner feeds them after its last token and
+    samples at each of their positions too (``core.sched.drafts``).
+
     Fixed when scheduled: ``samples`` (the item ends at the request's last
-    token, so it yields a new one) does not change when the request later
-    grows.
+    token, or its drafts, so it yields a new one) does not change when the
+    request later grows.
     """
 
     request: Request  # the runner reads its tokens and block table
     start: int  # tokens already in the KV cache (the chunk's prefix length)
     num_tokens: int
     is_prefill: bool
+    drafts: tuple[int, ...] = ()
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.start + self.num_tokens == self.request.num_tokens)
+        end = self.start + self.num_tokens - len(self.drafts)
+        object.__setattr__(self, "samples", end == self.request.num_tokens)
+
+    def token_ids(self) -> list[int]:
+        """The tokens it runs: the request's, then its drafts."""
+        end = self.start + self.num_tokens - len(self.drafts)
+        return self.request.tokens(self.start, end) + list(self.drafts)
 
 
 @dataclass(slots=True)
 class Batch:
-    """A flattened ragged batch: decode items first, then prefill chunks.
+    """A flattened ragged batch: decode items first, then prefill chunks, then
+    speculating decodes (several query tokens each, like a chunk).
 
     Before the items run, the engine has the runner make ``copies`` and
     write ``imports``, and release what it holds for ``finished``."""
@@ -46,6 +58,7 @@ class Batch:
     # why its predicted time may exceed that target: "decodes" (they alone fill it)
     # or "floor" (prefill was kept moving at the floor); None: sized within it
     over_target: str | None = None
+    drafts_declined: int = 0  # decodes with draft tokens proposed that the cost model said would not pay
 
     @property
     def num_tokens(self) -> int:
@@ -59,10 +72,15 @@ class Batch:
     def prefill_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items if item.is_prefill)
 
+    @property
+    def draft_tokens(self) -> int:
+        return sum(len(item.drafts) for item in self.items)
+
     def shape(self) -> tuple[list[int], list[tuple[int, int]]]:
-        """What its time depends on: each decode's context, each chunk's (prefix, tokens)."""
-        decodes = [item.start for item in self.items if not item.is_prefill]
-        chunks = [(item.start, item.num_tokens) for item in self.items if item.is_prefill]
+        """What its time depends on: each decode's context, each chunk's (prefix,
+        tokens); a speculating decode runs as a chunk of its token and drafts."""
+        decodes = [item.start for item in self.items if item.num_tokens == 1 and not item.is_prefill]
+        chunks = [(item.start, item.num_tokens) for item in self.items if item.num_tokens > 1 or item.is_prefill]
         return decodes, chunks
 
 
@@ -77,11 +95,13 @@ class Logprobs:
 
 @dataclass(slots=True)
 class Sampled:
-    """What the runner returns: one token per item that samples, in item order,
-    with its logprobs where the request asked for them."""
+    """What the runner returns, per item that samples, in item order: the tokens
+    it yields (one, or a speculating decode's kept drafts and the token after
+    them: ``core.sched.drafts.verified``), with their logprobs where the
+    request asked for them."""
 
-    tokens: list[int]
-    logprobs: list[Logprobs | None] | None = None  # None: nobody in the batch asked
+    tokens: list[list[int]]
+    logprobs: list[list[Logprobs] | None] | None = None  # None: nobody in the batch asked
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,6 +112,7 @@ class NewToken:
     token: int
     stalled: bool  # the gap before it was stalled: another request's prefill ran in it
     logprobs: Logprobs | None = None
+    draft: bool = False  # a draft token the model kept (speculative decoding)
 
 
 @dataclass(slots=True)
@@ -114,6 +135,9 @@ class IterationRecord:
     kv_free_blocks: int
     kv_cached_blocks: int
     preemptions: int
+    draft_tokens: int = 0  # draft tokens verified (in decode_tokens)
+    accepted_tokens: int = 0  # of them, kept
+    drafts_declined: int = 0  # decodes whose drafts the cost model said would not pay
     tbt_slo_ms: float = 0.0  # the TBT target setting (it sized this iteration if it had decodes)
     tbt_aim: float = 1.0  # the fraction of the target the scheduler sized to (Scheduler.aim)
     predicted_ns: int = 0  # the cost model's prediction of its duration (0: no cost model)

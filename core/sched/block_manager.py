@@ -259,20 +259,37 @@ class BlockManager:
         self._unallocated_reserve -= own_reserve - self._reserve_left(req)
         return Grown(copies)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back req's blocks past those its first num_tokens tokens need (they
+        held only rejected draft tokens): into its reserve while inside its
+        footprint, else to the free pool."""
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_ids) <= keep:
+            return
+        reserve_left = self._reserve_left(req)
+        for block_id in reversed(req.block_ids[keep:]):
+            self._release(block_id)
+        del req.block_ids[keep:]
+        self._unallocated_reserve += self._reserve_left(req) - reserve_left
+
     def free(self, req: Request) -> None:
         """Release req's blocks and reservation. Tail blocks go first in LRU order,
         since a prefix's tail is the part least likely to be shared."""
         self._unallocated_reserve -= self._reserve_left(req)
         for block_id in reversed(req.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self._free_plain.append(block_id)
-                else:
-                    self._free_cached[block_id] = None
+            self._release(block_id)
         req.block_ids = []
         req.footprint_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        """One block table lets go of the block; the last one frees it."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None:
+                self._free_plain.append(block_id)
+            else:
+                self._free_cached[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

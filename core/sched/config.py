@@ -31,8 +31,16 @@ class Policy(StrEnum):
     FAIR = "fair"
 
 
+class Speculate(StrEnum):
+    """Where draft tokens come from (``core.sched.drafts``)."""
+
+    OFF = "off"
+    NGRAM = "ngram"  # prompt lookup: what followed the request's latest n-gram earlier in its own tokens
+
+
 CHUNKING_MODES = tuple(c.value for c in Chunking)
 POLICIES = tuple(p.value for p in Policy)
+SPECULATE_MODES = tuple(s.value for s in Speculate)
 
 # Settings the step thread may change between iterations (PUT /api/config).
 LIVE_SETTINGS = (
@@ -44,6 +52,10 @@ LIVE_SETTINGS = (
     "max_defer_s",
     "long_prefill_tokens",
     "tbt_slo_ms",
+    "speculate",
+    "draft_tokens",
+    "ngram_min",
+    "ngram_max",
 )
 
 
@@ -60,6 +72,10 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
     "decode_reserve_tokens": (int, 0, 1 << 20),
     "long_prefill_tokens": (int, 0, 1 << 24),
     "tbt_slo_ms": (float, 0.0, 600_000.0),
+    "speculate": (str, SPECULATE_MODES, None),
+    "draft_tokens": (int, 1, 16),
+    "ngram_min": (int, 1, 16),
+    "ngram_max": (int, 1, 16),
 }
 
 
@@ -80,6 +96,12 @@ class SchedulerConfig:
     time (the cost model: the decodes with their contexts, each chunk with its
     prefix) stays within it, down to ``prefill_floor`` tokens; with no decode
     it takes the whole ``token_budget``. 0: off (tokens only).
+
+    speculate: ``ngram`` verifies up to ``draft_tokens`` draft tokens per
+    decode (prompt lookup, ``ngram_min``..``ngram_max`` tokens matched) in the
+    decode's own pass. Drafts take only what the batch leaves once every
+    decode has its token and every prefill its chunk (budget and TBT target
+    alike), and only where the cost model says they pay (``Scheduler``).
     """
 
     token_budget: int = 512
@@ -100,6 +122,10 @@ class SchedulerConfig:
     # TBT target the tokens that fit it); at least the context length: off.
     long_prefill_tokens: int = 0
     tbt_slo_ms: float = 0.0
+    speculate: Speculate = Speculate.OFF
+    draft_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     @property
     def prefill_floor(self) -> int:
@@ -134,6 +160,8 @@ class SchedulerConfig:
                 if isinstance(value, bool) or not numeric or not math.isfinite(value) or not low <= value <= high:
                     what = "an integer" if kind is int else "a number"
                     raise ValueError(f"{name} must be {what} in [{low}, {high}]")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be at most ngram_max")
         warnings = []
         budget = self.token_budget
         if budget < self.min_token_budget:
@@ -143,7 +171,11 @@ class SchedulerConfig:
             )
             budget = self.min_token_budget
         checked = dataclasses.replace(
-            self, token_budget=budget, chunking=Chunking(self.chunking), policy=Policy(self.policy)
+            self,
+            token_budget=budget,
+            chunking=Chunking(self.chunking),
+            policy=Policy(self.policy),
+            speculate=Speculate(self.speculate),
         )
         return checked, warnings
 

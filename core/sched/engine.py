@@ -18,6 +18,7 @@ from core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
+from core.sched.drafts import Drafter
 from core.sched.request import FinishReason, Request, SamplingParams
 from core.sched.runner import Runner
 from core.sched.scheduler import ScheduleFailed, Scheduler
@@ -103,9 +104,12 @@ class Engine:
         runner: Runner,
         clock: Callable[[], int] = time.perf_counter_ns,
         cost: IterationCost | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """``cost`` predicts each iteration's time (recorded beside the measured
-        one, which it then observes); the TBT target and dynamic chunking need it."""
+        one, which it then observes); the TBT target and dynamic chunking need
+        it, and draft tokens are weighed with it. ``drafter``: where draft
+        tokens come from when the config speculates (default: prompt lookup)."""
         config, self.warnings = scheduler_config.validated()
         _check_cost(config, cost)
         if config.max_model_len > cache_config.num_tokens:
@@ -116,7 +120,7 @@ class Engine:
             )
             config = dataclasses.replace(config, max_model_len=cache_config.num_tokens)
         self.kv = BlockManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, cost)
+        self.scheduler = Scheduler(config, self.kv, runner.eos_token_ids, cost, drafter)
         self.cost = cost
         self.runner = runner
         self.clock = clock
@@ -181,7 +185,7 @@ class Engine:
         self.failed_in_a_row = 0
         if self.cost is not None:
             self.cost.observe(*shape, (end_ns - start_ns) / 1e9)
-        return self._collect(self._record(batch, start_ns, end_ns), emitted)
+        return self._collect(self._record(batch, start_ns, end_ns, emitted), emitted)
 
     def _prepare(self, batch: Batch) -> None:
         """What the runner does before any batch's items run, whichever runner it is."""
@@ -238,9 +242,15 @@ class Engine:
         return self._collect(None, [])
 
     def _collect(self, record: IterationRecord | None, emitted: list[NewToken]) -> StepOutput | None:
-        outputs = []
-        for new in emitted:
+        outputs: list[RequestOutput] = []
+        for new in emitted:  # a speculating request's tokens come one after another: one output
             req, reason = new.request, new.request.finish_reason
+            last = outputs[-1] if outputs and outputs[-1].request_id == req.request_id else None
+            if last is not None:
+                last.new_token_ids.append(new.token)
+                if last.logprobs is not None and new.logprobs is not None:
+                    last.logprobs.append(new.logprobs)
+                continue
             finished = req if reason is not None else None
             logprobs = [new.logprobs] if new.logprobs is not None else None
             outputs.append(RequestOutput(req.request_id, [new.token], reason, finished, new.stalled, logprobs))
@@ -261,7 +271,7 @@ class Engine:
             kv.num_cached_blocks,
         )
 
-    def _record(self, batch: Batch, start_ns: int, end_ns: int) -> IterationRecord:
+    def _record(self, batch: Batch, start_ns: int, end_ns: int, emitted: list[NewToken]) -> IterationRecord:
         s = self.scheduler
         target_ns = int(batch.target_s * 1e9)
         missed = (batch.over_target or "prediction") if target_ns and end_ns - start_ns > target_ns else None
@@ -282,6 +292,9 @@ class Engine:
             kv_free_blocks=self.kv.num_free_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks,
             preemptions=len(batch.preempted),
+            draft_tokens=batch.draft_tokens,
+            accepted_tokens=sum(new.draft for new in emitted),
+            drafts_declined=batch.drafts_declined,
             tbt_slo_ms=s.config.tbt_slo_ms,
             tbt_aim=s.aim,
             predicted_ns=int(batch.predicted_s * 1e9),

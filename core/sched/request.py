@@ -61,6 +61,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     logprobs: int | None = None  # return each token's log-probability and this many alternatives
     grammar: str | None = None  # llguidance grammar the output must follow (response_format)
+    speculate: bool = True  # may it get draft tokens when the engine speculates (an opt-out)
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +146,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # draft tokens verified for it (speculative decoding)
+    num_accepted_tokens: int = 0  # of them, kept by the model
     # KV state, owned by the BlockManager
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -8,7 +8,10 @@ Each iteration, in ``stall_free`` mode, three passes fill one token budget:
 2. partially prefilled prompts get their next chunk, oldest first;
 3. waiting prompts are admitted in policy order while budget, ``max_num_seqs``
    and KV room (the prompt's final footprint) remain; a prompt that does not
-   fit contributes a chunk and carries over.
+   fit contributes a chunk and carries over;
+4. with ``speculate``, decodes whose context proposes draft tokens get them
+   from what the budget (and the TBT target) still leaves, where the cost
+   model says they pay (``_draft``).
 
 In ``stall_free`` mode passes 2 and 3 run for short prompts first, then for long ones (more than
 ``long_prefill_tokens`` still to prefill; by default more than one iteration
@@ -40,8 +43,9 @@ from dataclasses import dataclass
 from core import faults
 from core.sched.batch import Batch, Item, NewToken, Sampled
 from core.sched.block_manager import Admitted, BlockManager
-from core.sched.config import Chunking, SchedulerConfig
+from core.sched.config import Chunking, SchedulerConfig, Speculate
 from core.sched.cost import IterationCost
+from core.sched.drafts import Drafter, NgramDrafter, expected_accepted
 from core.sched.handoff import KvImport
 from core.sched.policy import order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
@@ -81,11 +85,13 @@ class Scheduler:
         kv: BlockManager,
         eos_token_ids: frozenset[int] = frozenset(),
         cost: IterationCost | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = eos_token_ids
-        self.cost = cost  # predicts iteration times: the TBT target and dynamic chunking need it
+        self.cost = cost  # predicts iteration times: the TBT target, dynamic chunking and drafts need it
+        self.drafter = drafter or NgramDrafter()
         self._target: _Target | None = None  # this iteration's, while scheduling
         self.aim = 1.0  # the fraction of the TBT target iterations are sized to
         self._gap_ratios: deque[float] = deque(maxlen=AIM_WINDOW)  # gap / predicted time, recent targeted iterations
@@ -155,6 +161,7 @@ class Scheduler:
         self._iteration += 1
         batch = Batch(self._iteration, finished=self._finished)
         self._finished = []
+        self.drafter.release(batch.finished)
         try:
             faults.point("schedule")
             self._schedule(batch, now_ns)
@@ -188,7 +195,7 @@ class Scheduler:
             left = self._prefill_running(batch, max(budget, self.config.max_model_len), whole=True)
             self._admit(batch, left, whole=True, ordered=self._ordered(now_ns))
             if not batch.items:
-                self._decode(batch, budget)
+                self._draft(batch, self._decode(batch, budget))
             return batch
         left = self._decode(batch, budget)
         self._target = None
@@ -199,17 +206,18 @@ class Scheduler:
                 batch.over_target = "decodes"
         try:
             if mode == Chunking.STALL_FREE:
-                self._prefill(batch, left, now_ns)
+                left = self._prefill(batch, left, now_ns)
             else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
                 self._time_share(batch, 1.0, self.config.prefill_floor)
                 left = self._prefill_running(batch, left, whole=False)
                 if not any(r.status == RequestStatus.DECODING for r in self.running):
-                    self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
+                    left = self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
+            self._draft(batch, left)
         finally:
             self._target = None
         return batch
 
-    def _prefill(self, batch: Batch, left: int, now_ns: int) -> None:
+    def _prefill(self, batch: Batch, left: int, now_ns: int) -> int:
         """Passes 2 and 3, short prompts first: partial then new short prefills
         take the leftover budget before long ones, so a short prompt never
         waits for a long prompt's whole prefill; while a long prompt is
@@ -236,13 +244,12 @@ class Scheduler:
         if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
             self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
             left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
-            self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
-            return
+            return self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
         ordered = self._ordered(now_ns)
         short_left = self._admit(batch, short_left, whole=False, ordered=[r for r in ordered if short(r)])
         self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
         left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
-        self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
+        return self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
 
     def _iteration_tokens(self, batch: Batch, left: int) -> int:
         """What one iteration can take of a prompt, the measure of a long one: the
@@ -291,6 +298,60 @@ class Scheduler:
                 batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
                 left -= 1
         return left
+
+    def _draft(self, batch: Batch, left: int) -> None:
+        """Pass 4, speculative decoding: draft tokens for decodes whose context
+        proposes some, from what is left once every decode has its token and
+        every prompt its chunk (the budget, and the TBT target's time): drafts
+        never displace a decode or shrink a chunk. Decodes are served in pass
+        1's order. With a cost model a decode's drafts go in only where they
+        pay: the tokens they are expected to add (its acceptance rate) per
+        second they add to the iteration must be at least the batch's tokens
+        per second without them; with fewer drafts tried before none. Where
+        extra rows cost nearly what tokens do (a CPU past a few rows) that
+        turns speculation off as batches grow. Requests with penalties (their
+        counts would need the drafts) or that opted out never speculate."""
+        cfg = self.config
+        if cfg.speculate == Speculate.OFF or left == 0:
+            return
+        cost, target = self.cost, self._target
+        decodes, chunks = batch.shape()
+        now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
+        limit_s = target.target_s * self.aim if target is not None else float("inf")
+        yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
+        speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
+        for index, item in enumerate(batch.items):
+            req, sp = item.request, item.request.sampling
+            if item.is_prefill or not sp.speculate or sp.uses_history or left == 0:
+                continue
+            room = min(sp.max_tokens - req.num_output_tokens, cfg.max_model_len - req.num_tokens) - 1
+            most = min(self.drafter.limit(req, cfg.draft_tokens), room, left)
+            drafts = self.drafter.propose(req, most, (cfg.ngram_min, cfg.ngram_max)) if most > 0 else ()
+            n = len(drafts)
+            if cost is not None and n:
+                others = list(decodes)
+                others.remove(item.start)
+                acceptance = self.drafter.acceptance(req)
+                while n:
+                    then_s = cost.iteration_s(others, [*chunks, (item.start, 1 + n)])
+                    gain = expected_accepted(acceptance, n)
+                    if then_s <= limit_s and gain * now_s >= (then_s - now_s) * yielded:
+                        break
+                    n -= 1
+                if n == 0:
+                    batch.drafts_declined += 1
+                    continue
+                if not self._allocate(batch, req, 1 + n):  # drafts never preempt anybody
+                    continue
+                decodes, now_s, yielded = others, then_s, yielded + gain
+                chunks.append((item.start, 1 + n))
+            elif n == 0 or not self._allocate(batch, req, 1 + n):
+                continue
+            speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
+            left -= n
+        if speculating:
+            batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
+            batch.items += speculating.values()
 
     def _prefill_running(self, batch: Batch, left: int, whole: bool, which: Callable[[Request], bool] = bool) -> int:
         """Pass 2: the next chunk of each partially prefilled prompt (of those ``which`` selects)."""
@@ -440,20 +501,40 @@ class Scheduler:
             self._prefill_log.append((batch.iteration, chunked))
         for item in batch.items:
             req = item.request
-            req.num_computed_tokens += item.num_tokens
-            self.served[req.tenant] = self.served.get(req.tenant, 0) + item.num_tokens
+            new = next(tokens) if item.samples else []
+            new_logprobs = next(logprobs) if logprobs is not None and item.samples else None
+            if item.drafts:
+                self._verified(req, item, len(new) - 1)
             tl = req.timeline
             if tl.scheduled_ns is None:
                 tl.scheduled_ns = start_ns
             if item.is_prefill:
                 tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
+            stalled = self._overlapped_prefill(req, batch.iteration) if new else False
+            reason = None
+            for j, token in enumerate(new):
+                self._append_token(req, token, end_ns, stalled and j == 0)
+                lp = new_logprobs[j] if new_logprobs is not None else None
+                emitted.append(NewToken(req, token, stalled and j == 0, lp, draft=j < len(new) - 1))
+                reason = self._end_reason(req, token)
+                if reason is not None:
+                    break  # what the request drew after its end is dropped
+            # the KV now holds its tokens up to the last new one (kept drafts are among them)
+            computed = item.num_tokens - len(item.drafts) + max(0, len(new) - 1)
+            req.num_computed_tokens += computed
+            self.served[req.tenant] = self.served.get(req.tenant, 0) + computed
             self.kv.cache_computed(req, item.start)
-            if item.samples:
-                token = next(tokens)
-                stalled = self._overlapped_prefill(req, batch.iteration)
-                self._append_token(req, token, end_ns, stalled)
-                emitted.append(NewToken(req, token, stalled, next(logprobs) if logprobs is not None else None))
+            if reason is not None:
+                self.finish(req, reason, end_ns)
+            elif item.drafts:
+                self.kv.trim(req, req.num_computed_tokens)  # the blocks that held only rejected drafts
         return emitted
+
+    def _verified(self, req: Request, item: Item, kept: int) -> None:
+        """What a verification of req's drafts kept (the runner's ``verified``)."""
+        req.num_draft_tokens += len(item.drafts)
+        req.num_accepted_tokens += kept
+        self.drafter.observe(req, len(item.drafts), kept)
 
     def _learn_aim(self, batch: Batch, start_ns: int, end_ns: int) -> None:
         """After an iteration sized within the TBT target: the gap its decodes got
@@ -493,11 +574,15 @@ class Scheduler:
             tl.stalled.append(stalled)
         tl.token_ns.append(now_ns)
         req.status = RequestStatus.DECODING
+
+    def _end_reason(self, req: Request, token: int) -> FinishReason | None:
+        """Does req end with ``token``, its latest one?"""
         sp = req.sampling
         if token in sp.stop_token_ids or (token in self.eos_token_ids and not sp.ignore_eos):
-            self.finish(req, FinishReason.STOP, now_ns)
-        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            self.finish(req, FinishReason.LENGTH, now_ns)
+            return FinishReason.STOP
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
 
 def _largest(n: int, fits: Callable[[int], bool]) -> int:
