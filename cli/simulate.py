@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--draft-acceptance",
         type=float,
         help="with --speculate: every decode proposes drafts and the simulated model keeps each with this "
-        "probability (the workload's acceptance rate, 0-1)",
+        "probability (the workload's acceptance rate, 0-1); with --capacity: adds the TBT target with speculation",
     )
     c = s.add_argument_group(
         "replicas (--replicas N: N engines behind a router on the multi-turn chat workload, --rate "
@@ -163,6 +163,7 @@ def run_capacity(args: argparse.Namespace) -> None:
         args.duration_s,
         args.disaggregate,
         kv_link(args) if args.disaggregate is not None else None,
+        args.draft_acceptance,
     )
     decode_ms, context = setup.decode_iteration_ms(args.slo_batch)
     multiples = {"strict": STRICT, "relaxed": RELAXED}

@@ -255,3 +255,17 @@ def test_usage_metrics_and_the_opt_out_over_both_protocols():
         assert srv.wait_kv_baseline() == 0
     finally:
         srv.stop()
+
+
+def test_simulate_models_an_acceptance_rate(capsys):
+    from cli import main
+
+    assert main(["simulate", "--scenario", "burst", "--json"]) == 0
+    off = json.loads(capsys.readouterr().out)["summary"]
+    assert main(["simulate", "--scenario", "burst", "--speculate", "ngram", "--draft-acceptance", "0.7", "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)["summary"]
+    assert off["draft_tokens"] == 0 and off["tokens_per_decode_step"] == 1.0
+    assert on["draft_tokens"] > 0 and 0.3 < on["acceptance"] < 0.7  # kept of verified: a rejection drops the rest
+    assert on["tokens_per_decode_step"] > 1.2 and on["duration_ms"] < off["duration_ms"]
+    assert main(["simulate", "--scenario", "burst", "--speculate", "ngram"]) == 2
+    assert "--draft-acceptance" in capsys.readouterr().err

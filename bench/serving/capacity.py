@@ -123,6 +123,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
+    ap.add_argument(
+        "--speculate",
+        choices=["off", "ngram"],
+        default="off",
+        help="stallfree's speculative decoding in every trial (the simulator's predictions stay without it)",
+    )
     args = ap.parse_args()
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
@@ -140,6 +146,7 @@ def main() -> None:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "dtype": dtype,
+        "speculate": args.speculate,
         "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
         "traces": {
             t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.describe(args.duration_s)} for t in traces
@@ -173,7 +180,7 @@ def main() -> None:
         trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.duration_s)
         doc["predicted"] = predict(traces, rows, slos, profile, budgets, args.duration_s)
         write(base, doc)
-        runs = plan(traces, slos, profile, doc["predicted"], budgets, args.max_trials)
+        runs = plan(traces, slos, profile, doc["predicted"], budgets, args.max_trials, args.speculate)
         for budget in budgets:
             if budget != budgets[0]:
                 stop(vl)
@@ -282,11 +289,11 @@ def predict(
     return out
 
 
-def stallfree_configs(slo: SLO, profile: Profile) -> dict[str, dict[str, Any]]:
+def stallfree_configs(slo: SLO, profile: Profile, speculate: str = "off") -> dict[str, dict[str, Any]]:
     budget, _ = choose_budget(profile.points, slo.tbt_p99_ms)
     return {
-        "stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET},
-        "stallfree-budget": {"tbt_slo_ms": 0.0, "token_budget": budget},
+        "stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET, "speculate": speculate},
+        "stallfree-budget": {"tbt_slo_ms": 0.0, "token_budget": budget, "speculate": speculate},
     }
 
 
@@ -297,6 +304,7 @@ def plan(
     predicted: dict[str, dict[str, dict[str, float]]],
     budgets: list[int],
     max_trials: int,
+    speculate: str,
 ) -> list[Run]:
     """Every search, each from the simulator's prediction for its configuration;
     vLLM's two searches (strict, relaxed) at one budget share their trials."""
@@ -305,7 +313,7 @@ def plan(
         shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets}
         for slo_name, slo in slos.items():
             guess = predicted[t.name][slo_name]
-            for engine, config in stallfree_configs(slo, profile).items():
+            for engine, config in stallfree_configs(slo, profile, speculate).items():
                 first = max(guess[engine], 0.05)
                 runs.append(Run(engine, t.name, slo_name, Search(slo, first, max_trials=max_trials, lowest=first / 16)))
                 runs[-1].config = config
@@ -474,7 +482,8 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         "",
         f"`{doc['command']}` on {describe(m)}, {doc['date']}; dtype {doc['dtype']}, one compute thread each, "
         f"same weights, both through the OpenAI streaming API, prefix caching on; stallfree's profile: "
-        f"`{doc['profile']}`.",
+        f"`{doc['profile']}`; stallfree's speculative decoding: {doc.get('speculate', 'off')} (vLLM's: off; "
+        "the simulator's predictions: off).",
         "",
         f"SLOs: {doc['slo_basis']} (stallfree {doc['decode_only_iteration_ms']['stallfree']:.1f} ms, "
         f"vLLM {doc['decode_only_iteration_ms']['vllm']:.1f} ms). Capacity: the highest rate with P99 TBT <= SLO "

@@ -10,6 +10,7 @@ Writes a new bench/results/scheduler_scenarios-<date>.{json,md}.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -28,6 +29,7 @@ RUNS = [  # (scenario, label, settings, "small" request ids start with, "big" on
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help, not a run
     rows = []
     for name, label, settings, small, big in RUNS:
         arrivals, defaults = scenario(name)

@@ -10,7 +10,9 @@ trace's first ``--duration-s`` of requests at the trial's rate, searched to
 5 % (``stallfree simulate --capacity``). The SLOs are 5 x (strict) and
 25 x (relaxed) the decode-only iteration of 8 decodes at the trace's median
 prompt. Compared: the token budget 512; the largest budget the cost model
-puts within the SLO; a TBT target of the SLO (budget 512); unchunked; and
+puts within the SLO; a TBT target of the SLO (budget 512); with
+``--draft-acceptance``, that target with speculative decoding (every decode
+proposes drafts, each kept with that probability); unchunked; and
 disaggregated P:D (its capacity is the P + D workers'). Writes a new
 bench/results/sim_capacity-<date>.{json,md}.
 """
@@ -37,6 +39,11 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=120.0, help="each trial: the trace's first N s")
     ap.add_argument("--disaggregate", default="1:1", help="P:D workers for the disaggregated row")
     ap.add_argument("--link-gbps", type=float, default=100.0)
+    ap.add_argument(
+        "--draft-acceptance",
+        type=float,
+        help="adds the TBT target with speculative decoding, every draft kept with this probability",
+    )
     args = ap.parse_args()
     p, d = (int(x) for x in args.disaggregate.split(":"))
     cost = CostModel(LLAMA3_8B, ARTICLE_GPU, attention=True, kv_reads=True)
@@ -51,7 +58,15 @@ def main() -> None:
     }
     for key, spec in TRACE_SPECS.items():
         setup = Setup(
-            read_trace(spec.file), Replay(), config, cache, cost, args.duration_s, (p, d), Link(args.link_gbps)
+            read_trace(spec.file),
+            Replay(),
+            config,
+            cache,
+            cost,
+            args.duration_s,
+            (p, d),
+            Link(args.link_gbps),
+            args.draft_acceptance,
         )
         decode_ms, context = setup.decode_iteration_ms(8)
         entry: dict[str, Any] = {

@@ -4,7 +4,8 @@ The real scheduler on the cost model replays a trace at trial rates
 (``core.analysis.capacity``'s search): with the token budget given; with the
 largest budget the cost model puts within the SLO (the article's recipe);
 with a TBT target of the SLO; unchunked; and, for a P:D pair, disaggregated
-(P prefill and D decode workers: its capacity is the pair's).
+(P prefill and D decode workers: its capacity is the pair's); and, given an
+acceptance rate, the TBT target with speculative decoding.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from core.analysis.disagg_plan import Link
 from core.analysis.disagg_sim import simulate_disaggregated
 from core.analysis.simulator import report, simulate, trace_arrivals
 from core.analysis.traces import Replay, TraceRequest, replay
-from core.sched.config import CacheConfig, Chunking, SchedulerConfig
+from core.sched.config import CacheConfig, Chunking, SchedulerConfig, Speculate
 from core.sched.timings import percentile
 
 
@@ -35,6 +36,7 @@ class Setup:
     duration_s: float | None = None  # trials replay the trace's first this long at their rate (else the window)
     disaggregate: tuple[int, int] | None = None  # prefill and decode workers
     link: Link | None = None  # their KV link
+    acceptance: float | None = None  # drafts kept: adds the TBT target with speculation (SimDrafter)
 
     def at(self, rate: float) -> Replay:
         """How a trial at ``rate`` replays the trace."""
@@ -66,6 +68,10 @@ def modes(setup: Setup, slo: SLO, decodes: int, context: int) -> list[tuple[str,
         (f"TBT target, budget {config.token_budget}", dataclasses.replace(config, tbt_slo_ms=slo.tbt_p99_ms), False),
         ("unchunked", dataclasses.replace(untargeted, chunking=Chunking.NONE), False),
     ]
+    if setup.acceptance is not None:
+        speculating = dataclasses.replace(config, tbt_slo_ms=slo.tbt_p99_ms, speculate=Speculate.NGRAM)
+        name = f"TBT target + speculation ({setup.acceptance:.0%} of drafts kept)"
+        out.append((name, speculating, False))
     if setup.disaggregate is not None:
         p, d = setup.disaggregate
         out.append((f"disaggregated {p}:{d}", untargeted, True))
@@ -79,7 +85,7 @@ def run_trial(setup: Setup, rate: float, mode: SchedulerConfig, disaggregated: b
         p, d = setup.disaggregate
         summary = simulate_disaggregated(arrivals, p, d, setup.link, mode, setup.cache, setup.cost)["summary"]
     else:
-        summary = report(simulate(arrivals, mode, setup.cache, setup.cost))["summary"]
+        summary = report(simulate(arrivals, mode, setup.cache, setup.cost, setup.acceptance))["summary"]
     return trial_from(rate, summary)
 
 

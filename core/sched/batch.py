@@ -78,9 +78,11 @@ class Batch:
 
     def shape(self) -> tuple[list[int], list[tuple[int, int]]]:
         """What its time depends on: each decode's context, each chunk's (prefix,
-        tokens); a speculating decode runs as a chunk of its token and drafts."""
-        decodes = [item.start for item in self.items if item.num_tokens == 1 and not item.is_prefill]
-        chunks = [(item.start, item.num_tokens) for item in self.items if item.num_tokens > 1 or item.is_prefill]
+        tokens). A speculating decode counts as a decode per token it verifies
+        (its token and each draft, each after the ones before): a row each in
+        the GEMMs, the head and the sampler, in the decode regime (no prompt)."""
+        decodes = [item.start + i for item in self.items if not item.is_prefill for i in range(item.num_tokens)]
+        chunks = [(item.start, item.num_tokens) for item in self.items if item.is_prefill]
         return decodes, chunks
 
 

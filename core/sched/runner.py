@@ -17,8 +17,10 @@ class Runner(Protocol):
     vocab_size: int  # rows of the logits: the largest meaningful top_k
 
     def execute(self, batch: Batch) -> Sampled:
-        """Run the batch's items; return one token per item that samples, in item order.
-        The engine has had the runner release, copy and import what the batch names."""
+        """Run the batch's items; return, per item that samples and in item order, the
+        tokens it yields: one, or a speculating decode's kept drafts and the token
+        after them (``core.sched.drafts.verified``). The engine has had the runner
+        release, copy and import what the batch names."""
         ...
 
     def release(self, request_ids: list[str]) -> None:

@@ -304,13 +304,13 @@ class Scheduler:
         proposes some, from what is left once every decode has its token and
         every prompt its chunk (the budget, and the TBT target's time): drafts
         never displace a decode or shrink a chunk. Decodes are served in pass
-        1's order. With a cost model a decode's drafts go in only where they
-        pay: the tokens they are expected to add (its acceptance rate) per
-        second they add to the iteration must be at least the batch's tokens
-        per second without them; with fewer drafts tried before none. Where
-        extra rows cost nearly what tokens do (a CPU past a few rows) that
-        turns speculation off as batches grow. Requests with penalties (their
-        counts would need the drafts) or that opted out never speculate."""
+        1's order. With a cost model a decode gets the most of its drafts that
+        pay (``_paying_drafts``): the tokens they are expected to add (its
+        acceptance rate) per second they add to the iteration must beat the
+        batch's tokens per second without them. Where extra rows cost nearly
+        what tokens do (a CPU past a few rows) that turns speculation off as
+        batches grow. Requests with penalties (their counts would need the
+        drafts) or that opted out never speculate."""
         cfg = self.config
         if cfg.speculate == Speculate.OFF or left == 0:
             return
@@ -329,22 +329,15 @@ class Scheduler:
             drafts = self.drafter.propose(req, most, (cfg.ngram_min, cfg.ngram_max)) if most > 0 else ()
             n = len(drafts)
             if cost is not None and n:
-                others = list(decodes)
-                others.remove(item.start)
                 acceptance = self.drafter.acceptance(req)
-                while n:
-                    then_s = cost.iteration_s(others, [*chunks, (item.start, 1 + n)])
-                    gain = expected_accepted(acceptance, n)
-                    if then_s <= limit_s and gain * now_s >= (then_s - now_s) * yielded:
-                        break
-                    n -= 1
+                n, then_s = _paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
                 if n == 0:
                     batch.drafts_declined += 1
                     continue
                 if not self._allocate(batch, req, 1 + n):  # drafts never preempt anybody
                     continue
-                decodes, now_s, yielded = others, then_s, yielded + gain
-                chunks.append((item.start, 1 + n))
+                decodes += [item.start + 1 + i for i in range(n)]
+                now_s, yielded = then_s, yielded + expected_accepted(acceptance, n)
             elif n == 0 or not self._allocate(batch, req, 1 + n):
                 continue
             speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
@@ -489,8 +482,10 @@ class Scheduler:
 
     # -- update ------------------------------------------------------------
     def update(self, batch: Batch, sampled: Sampled, start_ns: int, end_ns: int) -> list[NewToken]:
-        """Advance every request in batch; sampled holds one token per item that
-        samples, in item order. Returns the tokens in that order."""
+        """Advance every request in batch; sampled holds, per item that samples and
+        in item order, the tokens it yielded (a speculating decode's kept drafts,
+        then the token after them). Returns the tokens in that order; a request
+        that ends keeps none drawn after its end."""
         faults.point("update")
         self._learn_aim(batch, start_ns, end_ns)
         emitted = []
@@ -583,6 +578,42 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _paying_drafts(
+    cost: IterationCost,
+    shape: tuple[list[int], list[tuple[int, int]]],
+    now_s: float,
+    yielded: float,
+    limit_s: float,
+    start: int,
+    most: int,
+    acceptance: float,
+) -> tuple[int, float]:
+    """How many of ``most`` drafts after a decode at context ``start`` fit the time
+    limit and pay: their expected kept tokens per second added beat the batch's
+    (``yielded`` tokens in ``now_s``); with the iteration's predicted time then.
+    Tokens per second added falls as drafts are added, so the largest that pays
+    is found by bisection (0: none does)."""
+    decodes, chunks = shape
+
+    def pays(m: int) -> tuple[bool, float]:
+        then_s = cost.iteration_s(decodes + [start + 1 + i for i in range(m)], chunks)
+        gain = expected_accepted(acceptance, m)
+        return then_s <= limit_s and gain * now_s > (then_s - now_s) * yielded, then_s
+
+    ok, best_s = pays(1)
+    if not ok:
+        return 0, now_s
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok, mid_s = pays(mid)
+        if ok:
+            lo, best_s = mid, mid_s
+        else:
+            hi = mid - 1
+    return lo, best_s
 
 
 def _largest(n: int, fits: Callable[[int], bool]) -> int:
