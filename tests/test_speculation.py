@@ -288,3 +288,21 @@ def test_simulate_models_an_acceptance_rate(capsys):
     assert on["tokens_per_decode_step"] > 1.2 and on["duration_ms"] < off["duration_ms"]
     assert main(["simulate", "--scenario", "burst", "--speculate", "ngram"]) == 2
     assert "--draft-acceptance" in capsys.readouterr().err
+
+
+def test_a_stop_token_among_kept_drafts_ends_the_request_there():
+    from core.analysis.sim_runner import DRAFT_TOKEN, SimDrafter
+    from core.sched.request import FinishReason
+
+    clock = VirtualClock()
+    runner = SimRunner(CostModel(), 16, clock, acceptance=1.0)  # every draft kept
+    config = SchedulerConfig(token_budget=256, max_num_seqs=8, speculate="ngram")
+    engine = Engine(config, CacheConfig(256, 16), runner, clock, None, SimDrafter())
+    req = request("r", 30, max_tokens=20, stop_token_ids=(DRAFT_TOKEN,))
+    engine.add_request(req)
+    engine.step()  # the prompt, and its first token
+    assert req.output_token_ids[-1] != DRAFT_TOKEN
+    out = engine.step()  # four drafts, all kept: the first is the stop token
+    assert out.outputs[0].new_token_ids == [DRAFT_TOKEN] and req.finish_reason == FinishReason.STOP
+    assert req.num_draft_tokens == 4 and req.num_computed_tokens == req.num_tokens - 1
+    assert engine.kv.num_used_blocks == 0

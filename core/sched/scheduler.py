@@ -507,15 +507,17 @@ class Scheduler:
                 tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
             stalled = self._overlapped_prefill(req, batch.iteration) if new else False
             reason = None
-            for j, token in enumerate(new):
-                self._append_token(req, token, end_ns, stalled and j == 0)
-                lp = new_logprobs[j] if new_logprobs is not None else None
-                emitted.append(NewToken(req, token, stalled and j == 0, lp, draft=j < len(new) - 1))
+            appended = 0
+            for token in new:
+                self._append_token(req, token, end_ns, stalled and appended == 0)
+                lp = new_logprobs[appended] if new_logprobs is not None else None
+                emitted.append(NewToken(req, token, stalled and appended == 0, lp, draft=appended < len(new) - 1))
+                appended += 1
                 reason = self._end_reason(req, token)
                 if reason is not None:
                     break  # what the request drew after its end is dropped
-            # the KV now holds its tokens up to the last new one (kept drafts are among them)
-            computed = item.num_tokens - len(item.drafts) + max(0, len(new) - 1)
+            # the KV holds every token before the last one appended (kept drafts are among them)
+            computed = item.num_tokens - len(item.drafts) + max(0, appended - 1)
             req.num_computed_tokens += computed
             self.served[req.tenant] = self.served.get(req.tenant, 0) + computed
             self.kv.cache_computed(req, item.start)
