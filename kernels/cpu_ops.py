@@ -10,6 +10,9 @@ the returned tensors, which is correct for both.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from kernels import reference
@@ -69,6 +72,23 @@ def rope(
         return reference.rope(q, k, positions, cos_sin)
     ops.rope(q, k, positions.contiguous(), cos_sin)
     return q, k
+
+
+def brgemm_dtypes() -> set[torch.dtype]:
+    """The dtypes whose prefill attention tiles run on oneDNN's brgemm here."""
+    mask = ops.attention_brgemm(True)
+    return {dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if mask & bit}
+
+
+@contextmanager
+def hand_written_tiles() -> Iterator[None]:
+    """Prefill attention tiles on the hand-written kernel inside the block
+    (the path of a machine without brgemm), for tests and benchmarks."""
+    ops.attention_brgemm(False)
+    try:
+        yield
+    finally:
+        ops.attention_brgemm(True)
 
 
 def paged_attention(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -54,9 +55,32 @@ def batches(draw):
     return kv_heads, group, dim, block_size, decodes, chunks, dtype
 
 
+def tiles(ops, kind: str) -> contextlib.AbstractContextManager[None]:
+    """Prefill tiles on oneDNN's brgemm where this machine runs it, or forced onto the hand-written kernel."""
+    return contextlib.nullcontext() if kind == "brgemm" else ops.hand_written_tiles()
+
+
+@pytest.mark.parametrize("kind", ["brgemm", "hand-written"])
 @settings(max_examples=60, deadline=None)
-@given(batches(), st.integers(0, 2**16))
-def test_paged_attention_matches_the_reference(ops, batch, seed):
+@given(batch=batches(), seed=st.integers(0, 2**16))
+def test_paged_attention_matches_the_reference(ops, kind, batch, seed):
+    with tiles(ops, kind):
+        check_paged_attention(ops, batch, seed)
+
+
+def test_the_tiles_run_on_brgemm_where_the_cpu_has_it(ops):
+    """AVX-512 builds run float32 tiles on brgemm; AMX machines bf16 ones too."""
+    expected = set()
+    if cpu_build.detect_isa() == "avx512":
+        expected.add(torch.float32)
+    if cpu_build.has_amx():
+        expected.add(torch.bfloat16)
+    assert ops.brgemm_dtypes() == expected
+    with ops.hand_written_tiles():
+        assert ops.ops.attention_brgemm(False) == 0
+
+
+def check_paged_attention(ops, batch, seed) -> None:
     kv_heads, group, dim, bs, decodes, chunks, dtype = batch
     seqs = [(n - 1, 1) for n in decodes] + chunks
     if not seqs:

@@ -61,12 +61,12 @@ class LlamaModel:
         self.dtype = dtype
         quantized = quantized or {}
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+        def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=as_dtype).contiguous()
 
-        def linear(*names: str, bias: torch.Tensor | None = None) -> kernels.Linear:
+        def linear(*names: str, bias: torch.Tensor | None = None, as_dtype: torch.dtype = dtype) -> kernels.Linear:
             """One layer over the named weights stacked by rows (fused QKV, gate/up)."""
-            weight = w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names])
+            weight = w(names[0], as_dtype) if len(names) == 1 else torch.cat([w(n, as_dtype) for n in names])
             blocks = [quantized.get(n) for n in names]
             kinds = {b.kind for b in blocks if b is not None}
             same = None not in blocks and len(kinds) == 1
@@ -74,8 +74,15 @@ class LlamaModel:
             return kernels.Linear(weight, bias, stacked)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = linear("model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight")
-        self.final_norm = w("model.norm.weight")
+        # The head runs in float32 whatever the compute dtype: a greedy choice is
+        # an argmax, and the embedded SmolLM2's top two first-token logits for
+        # "What is the capital of France?" (25.325, 25.243) tie at bf16's 0.125
+        # step. On CPU its compact copy (the GGUF's Q8_0 blocks) keeps decode's
+        # cost; a chunk asks for only a few rows of logits.
+        self.lm_head = linear(
+            "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight", as_dtype=torch.float32
+        )
+        self.final_norm = w("model.norm.weight", torch.float32)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

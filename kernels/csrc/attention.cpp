@@ -10,12 +10,20 @@
 // so the inner loop is a vector FMA over tokens with no horizontal sums.
 // Causality is applied only within the chunk: query row i of a chunk with
 // prefix p sees keys [0, p + i].
+//
+// Where oneDNN's batch-reduce GEMM micro-kernel runs here (ATen's
+// cpublas::brgemm: AMX tiles for bf16, AVX-512 FMA for float32), a prefill
+// tile's two products (Q K^T and P V) go through it instead: the hand-written
+// outer product reached a fraction of the FMA peak (bench.kernels.attention_kernels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -257,6 +265,133 @@ void attend_tile(const T* q, int64_t q_row_stride, int G, int rows, int first_po
     for (int g = 0; g < G; ++g) acc[r * G + g].write(out + r * out_row_stride + g * D);
 }
 
+// ---- prefill tiles through cpublas::brgemm ---------------------------------
+std::atomic<bool> g_brgemm_enabled{true};
+
+template <typename T>
+bool brgemm_available() {
+  if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX512F__)
+    return true;  // oneDNN's float32 brgemm; AVX2 machines keep the hand-written tiles (untested there)
+#else
+    return false;
+#endif
+  } else {
+    return at::native::cpublas::could_pack(at::kBFloat16);  // AMX / AVX512-BF16 ukernels
+  }
+}
+
+template <typename T>
+bool use_brgemm() {
+  static const bool available = brgemm_available<T>();
+  return available && g_brgemm_enabled.load(std::memory_order_relaxed);
+}
+
+// C[M][N] (+)= A[M][K] B[K][N], every operand row-major with the given
+// leading dimensions. bf16 B operands are packed into VNNI pairs first
+// (`packed`: K * N values), in blocks of at most 64 columns: the widest
+// oneDNN packs.
+template <typename T>
+void matmul(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C, int64_t ldc,
+            bool add, T* packed) {
+  if constexpr (std::is_same_v<T, float>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+  } else {
+    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+      const int64_t nb = std::min<int64_t>(64, N - n0);
+      T* p = packed + n0 * K;
+      at::native::cpublas::pack(K, nb, ldb, nb, at::kBFloat16, at::kBFloat16, B + n0, p);
+      at::native::cpublas::brgemm(M, nb, K, lda, nb, ldc, add, A, p, C + n0, true);
+    }
+  }
+}
+
+// The same tile as attend_tile, its products by brgemm: S = Q K^T over a KV
+// tile packed transposed, online softmax per query vector in float32, then
+// O = O * corr + P V. Shapes stay fixed per tile (M x TK x D and M x D x TK,
+// the last tile zero-padded), so oneDNN generates each micro-kernel once.
+// Measured on a 512-token chunk after 1,500 cached tokens (bench.kernels.attention_kernels):
+// larger tiles amortise the gather and the per-row softmax bookkeeping, up to here.
+constexpr int TKB = 128;       // KV tokens per brgemm tile
+constexpr int NB = 64;         // columns per Q K^T product
+constexpr int TILE_VECS_BRGEMM = 192;  // query vectors (rows x group) per work item
+
+template <typename T, int D>
+void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int first_pos, const T* kc, const T* vc,
+                        const Cache& c, float scale, T* out, int64_t out_row_stride) {
+  const int M = rows * G;
+  std::vector<T> qbuf(static_cast<size_t>(M) * D), pbuf(static_cast<size_t>(M) * TKB);
+  std::vector<float> s(static_cast<size_t>(M) * TKB), o(static_cast<size_t>(M) * D, 0.f), mx(M, NEG_INF), sum(M, 0.f);
+  std::vector<T> tiles(4 * D * TKB);
+  T *kt = tiles.data(), *vt = kt + D * TKB, *ktp = vt + D * TKB, *vtp = ktp + D * TKB;
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) std::copy_n(q + r * q_row_stride + g * D, D, &qbuf[(r * G + g) * D]);
+  std::fill_n(vt, TKB * D, T(0.f));
+  int64_t off[TKB];
+  const int kv_end = first_pos + rows;
+  for (int t0 = 0; t0 < kv_end; t0 += TKB) {
+    const int n = std::min(TKB, kv_end - t0);
+    c.offsets(t0, n, off);
+    for (int t = 0; t < n; ++t) {
+      const T* k = kc + off[t];
+      T* col = kt + (t / NB) * D * NB + t % NB;  // K^T in column blocks of NB tokens
+      for (int d = 0; d < D; ++d) col[d * NB] = k[d];
+      std::copy_n(vc + off[t], D, vt + t * D);
+    }
+    if (n < TKB) {
+      for (int t = n; t < TKB; ++t) {
+        T* col = kt + (t / NB) * D * NB + t % NB;
+        for (int d = 0; d < D; ++d) col[d * NB] = T(0.f);
+      }
+      std::fill(vt + n * D, vt + TKB * D, T(0.f));
+    }
+    for (int b = 0; b * NB < TKB; ++b) {
+      const int64_t at = static_cast<int64_t>(b) * D * NB;
+      matmul<T>(M, NB, D, qbuf.data(), D, kt + at, NB, s.data() + b * NB, TKB, false, ktp + at);
+    }
+    const int r_begin = std::max(0, t0 - first_pos);  // rows below see nothing of this tile
+    for (int m = 0; m < M; ++m) {
+      float* sr = &s[static_cast<size_t>(m) * TKB];
+      T* pr = &pbuf[static_cast<size_t>(m) * TKB];
+      const int limit = m / G < r_begin ? 0 : std::min(n, first_pos + m / G - t0 + 1);
+      if (limit == 0) {
+        std::fill_n(pr, TKB, T(0.f));
+        continue;
+      }
+      std::fill(sr + limit, sr + TKB, NEG_INF);  // causal and past the tile's end
+      vf mv = splat(NEG_INF);
+      const vf sv = splat(scale);
+      for (int t = 0; t < TKB; t += W) {
+        const vf x = load(sr + t) * sv;
+        store(sr + t, x);
+        mv = vmax(mv, x);
+      }
+      const float mnew = std::max(mx[m], hmax(mv));
+      const float corr = std::exp(mx[m] - mnew);
+      mx[m] = mnew;
+      vf add{};
+      for (int t = 0; t < TKB; t += W) {
+        const vf x = load(sr + t);
+        const vf e = x == NEG_INF ? vf{} : vexp(x - mnew);
+        add += e;
+        store(pr + t, e);
+      }
+      sum[m] = sum[m] * corr + hsum(add);
+      if (corr != 1.f) {
+        float* om = &o[static_cast<size_t>(m) * D];
+        for (int i = 0; i < D; i += W) store(om + i, load(om + i) * corr);
+      }
+    }
+    matmul<T>(M, D, TKB, pbuf.data(), TKB, vt, D, o.data(), D, true, vtp);
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) {
+      const int m = r * G + g;
+      const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
+      for (int i = 0; i < D; i += W) store(out + r * out_row_stride + g * D + i, load(&o[m * D + i]) * inv);
+    }
+}
+
 struct Work {
   int seq, kv_head, row0, rows;
 };
@@ -268,7 +403,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int H = q.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int rows_per_tile = std::max(1, TILE_VECS / G);
+  const int rows_per_tile = std::max(1, (use_brgemm<T>() ? TILE_VECS_BRGEMM : TILE_VECS) / G);
   std::vector<Work> work;
   for (int s = 0; s < S; ++s)
     for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile)
@@ -286,7 +421,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     return Cache{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
                  static_cast<int64_t>(w.kv_head) * D};
   };
+  const bool brgemm = use_brgemm<T>();
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    bool tiles_used = false;
     for (int64_t i = begin; i < end; ++i) {
       const Work& w = work[i];
       const Cache c = cache_of(w);
@@ -304,9 +441,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         attend_decode<T, D>(qw, q_head, G, kc, vc, c, lens[w.seq], sc, ow, D);
       } else {
         const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
-        attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+        if (brgemm) {
+          attend_tile_brgemm<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+          tiles_used = true;
+        } else {
+          attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+        }
       }
     }
+    if (tiles_used) at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);  // AMX tile state
   });
 }
 
@@ -340,7 +483,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }  // namespace
 }  // namespace sf
 
+// Whether prefill tiles go through brgemm; `enabled` false forces the
+// hand-written tiles (tests and benchmarks compare the two). Returns where
+// brgemm runs now: bit 0 float32, bit 1 bf16.
+int64_t sf_attention_brgemm(bool enabled) {
+  sf::g_brgemm_enabled.store(enabled);
+  return (sf::use_brgemm<float>() ? 1 : 0) | (sf::use_brgemm<c10::BFloat16>() ? 2 : 0);
+}
+
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def("attention_brgemm(bool enabled) -> int", &sf_attention_brgemm);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &sf::paged_attention);
