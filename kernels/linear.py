@@ -8,6 +8,11 @@ on an AVX2 EPYC too. Elsewhere (CUDA, a torch without the op) this is plain
 ``F.linear``. Which of the two a call uses is the kernel dispatch's choice
 (``kernels.linear``): the compact copy (``kernels.compact``) only up to
 ``Linear.COMPACT_ROWS`` rows, where reading fewer bytes beats oneDNN.
+
+A layer made with ``float_out`` (the ones whose output joins the float32
+residual stream) returns float32 products of its narrower operands, never
+rounded to bf16: through oneDNN's brgemm where it runs (``gemm_bf16_f32``),
+else by a float32 GEMM of the same bf16 values.
 """
 
 from __future__ import annotations
@@ -25,12 +30,23 @@ _PACKED = (torch.bfloat16, torch.float32)
 class Linear:
     COMPACT_ROWS = 64  # up to here the compact copy measured faster (bench.kernels.linear_kernels)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantized: Quantized | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        quantized: Quantized | None = None,
+        float_out: bool = False,
+    ):
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
         self.compact: CompactWeight | None = None
+        self.float_out = float_out and weight.dtype != torch.float32
+        self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_bf16_f32
         if weight.device.type != "cpu":
             return
+        n, k = weight.shape
+        if self.float_out and weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
+            self.vnni = torch.ops.stallfree.pack_bf16(weight)
         if weight.dtype in _PACKED and _has_mkldnn_linear():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
@@ -41,9 +57,17 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b by oneDNN's prepacked weight or ``F.linear`` (every device)."""
+        if self.float_out:
+            if self.vnni is not None and x.dtype == torch.bfloat16:
+                return torch.ops.stallfree.gemm_bf16_f32(x, self.vnni, self.weight.shape[0], self.bias)
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _has_bf16_brgemm() -> bool:
+    return cpu_build.status().backend == "native" and bool(torch.ops.stallfree.bf16_brgemm())
 
 
 def _has_mkldnn_linear() -> bool:

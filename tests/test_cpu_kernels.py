@@ -204,3 +204,32 @@ def test_real_model_greedy_output_is_identical_to_the_reference_path(ops, smollm
         reference_out = [greedy(runner, p, 16) for p in prompts]
     assert kernels._impl(torch.zeros(1)) is ops  # restored after the block
     assert native_out == reference_out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.sampled_from([1, 7, 33, 80]),
+    k=st.sampled_from([64, 96, 576]),
+    n=st.sampled_from([64, 72, 576]),
+    seed=st.integers(0, 999),
+)
+def test_float_out_layers_give_unrounded_float32_products(ops, rows, k, n, seed):
+    """bf16 operands, float32 output (brgemm where it runs, else a float32 GEMM):
+    equal to the float32 product of the same bf16 values up to summation order,
+    far inside bf16's own output rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    layer = kernels.Linear(w, bias, float_out=True)
+    y = kernels.linear(layer, x)
+    exact = x.double() @ w.double().t() + bias.double()
+    assert y.dtype == torch.float32
+    assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max() * k**0.5
+    rounded = kernels.linear(kernels.Linear(w, bias), x)  # bf16 out: what float_out avoids
+    assert rounded.dtype == torch.bfloat16
+
+
+def test_float_out_runs_on_brgemm_where_the_cpu_has_amx(ops):
+    layer = kernels.Linear(torch.randn(64, 64).bfloat16(), float_out=True)
+    assert (layer.vnni is not None) == cpu_build.has_amx()

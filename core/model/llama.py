@@ -64,14 +64,16 @@ class LlamaModel:
         def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=device, dtype=as_dtype).contiguous()
 
-        def linear(*names: str, bias: torch.Tensor | None = None, as_dtype: torch.dtype = dtype) -> kernels.Linear:
+        def linear(
+            *names: str, bias: torch.Tensor | None = None, as_dtype: torch.dtype = dtype, float_out: bool = False
+        ) -> kernels.Linear:
             """One layer over the named weights stacked by rows (fused QKV, gate/up)."""
             weight = w(names[0], as_dtype) if len(names) == 1 else torch.cat([w(n, as_dtype) for n in names])
             blocks = [quantized.get(n) for n in names]
             kinds = {b.kind for b in blocks if b is not None}
             same = None not in blocks and len(kinds) == 1
             stacked = kernels.Quantized(kinds.pop(), torch.cat([b.blocks for b in blocks if b])) if same else None
-            return kernels.Linear(weight, bias, stacked)
+            return kernels.Linear(weight, bias, stacked, float_out)
 
         self.embed = w("model.embed_tokens.weight")
         # The head runs in float32 whatever the compute dtype: a greedy choice is
@@ -93,10 +95,11 @@ class LlamaModel:
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
                     qkv=linear(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"), bias=bias),
-                    o=linear(p + "self_attn.o_proj.weight"),
+                    # float32 outputs: they join the float32 residual stream unrounded
+                    o=linear(p + "self_attn.o_proj.weight", float_out=True),
                     post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=linear(p + "mlp.down_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight", float_out=True),
                 )
             )
         self.cos_sin = rope_cos_sin(config, device)

@@ -75,7 +75,7 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kernels = backend(device)  # e.g. native-avx2, triton, reference (why)
         # batches up to this many tokens read the compact decode weights (0: none)
-        self.small_batch_rows = Linear.COMPACT_ROWS if self.model.lm_head.compact is not None else 0
+        self.small_batch_rows = Linear.COMPACT_ROWS if self.model.layers[0].gate_up.compact is not None else 0
         self.load_s = time.perf_counter() - start
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> object:

@@ -16,6 +16,7 @@
 // The micro-kernel keeps an MT x B tile of y in registers and broadcasts x.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -185,6 +186,53 @@ at::Tensor gemm_q4_1(const at::Tensor& x, const at::Tensor& d, const at::Tensor&
              bias);
 }
 
+// ---- bf16 operands, float32 products (oneDNN brgemm: AMX where present) ----
+// The layers whose outputs join the float32 residual stream (attention out,
+// MLP down) must not round those outputs to bf16: a bf16 GEMM's output
+// rounding moved the embedded model's first answer token. Weights are packed
+// once into VNNI pairs, in blocks of 64 output columns: [N/64][K/2][64][2].
+constexpr int NBLK = 64;
+constexpr int MBLK = 32;  // activation rows per brgemm call  // activation rows per brgemm call  // activation rows per brgemm call  // activation rows per brgemm call
+
+bool bf16_brgemm() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+at::Tensor pack_bf16(const at::Tensor& w) {  // w [N, K] bf16
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0 && w.size(0) % NBLK == 0,
+              "w: bf16 [N, K], N a multiple of 64, K even");
+  const int64_t N = w.size(0), K = w.size(1);
+  const at::Tensor wt = w.t().contiguous();  // [K, N]: brgemm's B
+  at::Tensor out = at::empty({N * K}, w.options());
+  for (int64_t n0 = 0; n0 < N; n0 += NBLK) {
+    at::native::cpublas::pack(K, NBLK, N, NBLK, at::kBFloat16, at::kBFloat16, wt.data_ptr<c10::BFloat16>() + n0,
+                              out.data_ptr<c10::BFloat16>() + n0 * K);
+  }
+  return out;
+}
+
+at::Tensor gemm_bf16_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bf16 [M, K], rows strided");
+  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == N * K && N % NBLK == 0,
+              "packed weight does not match x");
+  TORCH_CHECK(!bias || (bias->numel() == N), "bias: [N]");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nblocks = (N + NBLK - 1) / NBLK, mblocks = (M + MBLK - 1) / MBLK;
+  at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = (i / mblocks) * NBLK, m0 = (i % mblocks) * MBLK;  // a weight block stays in cache over the rows
+      const int64_t mb = std::min<int64_t>(MBLK, M - m0);
+      at::native::cpublas::brgemm(mb, NBLK, K, lda, NBLK, N, false, xp + m0 * lda, wp + n0 * K, yp + m0 * N + n0, true);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  if (bias) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
 int64_t simd_width() { return W; }
 
 }  // namespace
@@ -192,6 +240,11 @@ int64_t simd_width() { return W; }
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("simd_width", &sf::simd_width);
+  m.def("bf16_brgemm", &sf::bf16_brgemm);
+  m.def("pack_bf16(Tensor w) -> Tensor");
+  m.impl("pack_bf16", c10::DispatchKey::CPU, &sf::pack_bf16);
+  m.def("gemm_bf16_f32(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.impl("gemm_bf16_f32", c10::DispatchKey::CPU, &sf::gemm_bf16_f32);
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.impl("gemm_bf16", c10::DispatchKey::CPU, &sf::gemm_bf16);
   m.def("gemm_q8_0(Tensor x, Tensor d, Tensor q, Tensor? bias) -> Tensor");
