@@ -23,7 +23,9 @@ from pathlib import Path
 
 log = logging.getLogger("stallfree.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attention.cpp", "elementwise.cpp", "gemm.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("attention.cpp", "elementwise.cpp", "gemm.cpp", "roofline.cpp")
+]
 
 # instruction set -> (flags it needs in /proc/cpuinfo, compiler flags); best first
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

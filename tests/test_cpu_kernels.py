@@ -233,3 +233,19 @@ def test_float_out_layers_give_unrounded_float32_products(ops, rows, k, n, seed)
 def test_float_out_runs_on_brgemm_where_the_cpu_has_amx(ops):
     layer = kernels.Linear(torch.randn(64, 64).bfloat16(), float_out=True)
     assert (layer.vnni is not None) == cpu_build.has_amx()
+
+
+def test_the_roofline_probe_gives_sane_figures(ops):
+    """Positive, under what any CPU core could do (6 GHz, two 512-bit FMA
+    ports, AMX's 1,024 bf16 MACs a cycle), and no kernel above the FMA peak."""
+    from kernels import roofline
+
+    ghz = 6e9
+    r = roofline.measure(seconds=0.02, runs=1)
+    assert r is not None
+    assert 1e9 < r.fma_f32 <= 2 * 16 * 2 * ghz
+    assert 0 < r.brgemm_f32 <= 1.1 * r.fma_f32
+    assert 0 <= r.brgemm_bf16 <= 2 * 1024 * ghz and (r.brgemm_bf16 > 0) == cpu_build.has_amx()
+    assert 0 <= r.brgemm_int8 <= 2 * 2048 * ghz
+    assert 1e8 < r.read_bw <= 500e9
+    assert r.peak(torch.bfloat16) == (r.brgemm_bf16 or r.fma_f32) and r.peak(torch.float32) == r.fma_f32

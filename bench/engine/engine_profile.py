@@ -4,12 +4,17 @@ side by side in one process on the embedded model.
     .venv/bin/python -m bench.engine.engine_profile [--repeats 5] [--threads 1] [--dtype auto]
 
 Scenarios (one forward pass each, random KV in a paged cache):
-decode at 8 and 32 streams (512-token contexts), and a 2,000-token prompt in
-4 chunks of 500 at budget 512 with 8 decodes riding along (the 4 iterations
-summed: the issue's profile). Backends alternate run by run (A B A B ...).
-Each op the model calls through ``kernels`` is timed (attention, element-wise,
-KV write, the linear layers); the rest is the embedding, metadata and
-Python. Writes bench/results/engine_profile-<date>.{json,md}.
+decode at 8 and 32 streams (512-token contexts), one 512-token chunk after 0
+and after 1,500 cached tokens, and a 2,000-token prompt in 4 chunks of 500 at
+budget 512 with 8 decodes riding along (the 4 iterations summed). Backends
+alternate run by run (A B A B ...). Each op the model calls through
+``kernels`` is timed (attention, element-wise, KV write, the linear layers);
+the rest is the embedding, metadata and Python. The linear layers' and
+attention's FLOPs are counted as they run, so each gets an achieved rate,
+reported as a fraction of this machine's measured peak (``kernels.roofline``,
+probed at the start and recorded): the float32 FMA peak in float32, the bf16
+brgemm peak in bf16. "End to end" is all those FLOPs over the whole
+iteration. Writes bench/results/engine_profile-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from bench.record import dated, describe, machine, table
 from core.model.llama import LlamaModel
 from core.model.loader import load_model
 from core.model.model_runner import resolve_dtype
-from kernels import build_attention_meta, reference
+from kernels import build_attention_meta, reference, roofline
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -44,18 +49,39 @@ OPS = {  # kernels function -> breakdown category
 }
 
 
+def linear_flops(layer: kernels.Linear, x: torch.Tensor) -> float:
+    return 2.0 * x.shape[0] * layer.weight.numel()
+
+
+def attention_flops(q: torch.Tensor, k_cache, v_cache, meta: kernels.AttentionMeta, scale: float) -> float:
+    """QK^T and PV over each sequence's keys, causal inside its new rows."""
+    heads, dim = q.shape[1], q.shape[2]
+    pairs = 0.0
+    for s in range(meta.num_seqs):
+        n = meta.query_start_host[s + 1] - meta.query_start_host[s]
+        pairs += n * (meta.seq_lens_host[s] - n) + n * (n + 1) / 2
+    return 4.0 * heads * dim * pairs
+
+
+FLOPS = {"linear": linear_flops, "paged_attention": attention_flops}
+
+
 class Profile:
-    """Wraps the kernels entry points to add up time per category."""
+    """Wraps the kernels entry points to add up time (and FLOPs) per category."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
+        self.flops: dict[str, float] = defaultdict(float)
         self._saved: list[tuple[object, str, Callable]] = []
 
     def _wrap(self, owner: object, name: str, category: str) -> None:
         fn = getattr(owner, name)
         self._saved.append((owner, name, fn))
+        count = FLOPS.get(name)
 
         def timed(*args, **kwargs):
+            if count is not None:
+                self.flops[category] += count(*args, **kwargs)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -97,6 +123,8 @@ def scenario(decodes: int, ctx: int, chunks: list[tuple[int, int]]) -> list[tupl
 SCENARIOS = {
     "decode, 8 streams": scenario(8, 512, []),
     "decode, 32 streams": scenario(32, 512, []),
+    "512-token chunk, no prefix": scenario(0, 0, [(0, 512)]),
+    "512-token chunk after 1,500 cached": scenario(0, 0, [(1500, 512)]),
     "2,000-token prompt in 4 chunks + 8 decodes": scenario(8, 512, [(i * 500, 500) for i in range(4)]),
 }
 
@@ -119,6 +147,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, CPU)
+    limits = roofline.measure()
+    if limits is None:
+        sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
+    peak = limits.peak(dtype)
     loaded = load_model(None)
     model = LlamaModel(loaded.config, loaded.weights, dtype, CPU, loaded.quantized)
     c = loaded.config
@@ -135,11 +167,19 @@ def main() -> None:
                 with kernels.cpu_path(module), Profile() as prof:
                     total = run_once(model, caches, iterations)
                 if rep:
-                    results[name][backend].append({"total_s": total, **prof.totals})
+                    flops = {f"{cat} flops": v for cat, v in prof.flops.items()}
+                    results[name][backend].append({"total_s": total, **prof.totals, **flops})
         print(f"repeat {rep}/{args.repeats} done", file=sys.stderr, flush=True)
     m = machine()
     command = f"python -m bench.engine.engine_profile {' '.join(sys.argv[1:])}".strip()
-    doc = {"command": command, "machine": m, "dtype": str(dtype), "threads": args.threads, "results": results}
+    doc = {
+        "command": command,
+        "machine": m,
+        "dtype": str(dtype),
+        "threads": args.threads,
+        "roofline": limits.to_json(),
+        "results": results,
+    }
     base = dated("engine_profile")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     lines = [
@@ -173,6 +213,36 @@ def main() -> None:
             rest = max(0.0, 1 - sum(shares))
             cells.append([name, backend, *(f"{s * 100:.0f}%" for s in [*shares, rest])])
     lines += table(["scenario", "backend", *categories, "rest"], cells, "ll" + "r" * (len(categories) + 1))
+    lines += [
+        "",
+        f"Achieved rates against this machine's measured peak (one thread): "
+        f"{peak / 1e9:.0f} GFLOP/s ({'bf16 brgemm' if peak != limits.fma_f32 else 'float32 FMA'}); "
+        f"float32 FMA {limits.fma_f32 / 1e9:.0f}, float32 brgemm {limits.brgemm_f32 / 1e9:.0f}, "
+        f"bf16 brgemm {limits.brgemm_bf16 / 1e9:.0f} GFLOP/s, int8 {limits.brgemm_int8 / 1e9:.0f} GOP/s, "
+        f"reads {limits.read_bw / 1e9:.1f} GB/s. Medians; GFLOP/s (% of peak).",
+        "",
+    ]
+    cells = []
+    for name, by in results.items():
+        for backend in backends:
+            runs = by[backend]
+
+            def rate(flops: str, seconds: str, runs: list[dict] = runs) -> str:
+                r = statistics.median(run.get(flops, 0.0) / run[seconds] for run in runs if run.get(seconds))
+                return f"{r / 1e9:.0f} ({r / peak * 100:.0f}%)"
+
+            for run in runs:
+                run["all flops"] = run.get("linear (GEMM) flops", 0.0) + run.get("attention flops", 0.0)
+            cells.append(
+                [
+                    name,
+                    backend,
+                    rate("linear (GEMM) flops", "linear (GEMM)"),
+                    rate("attention flops", "attention"),
+                    rate("all flops", "total_s"),
+                ]
+            )
+    lines += table(["scenario", "backend", "linear (GEMM)", "attention", "end to end"], cells, "llrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -208,6 +208,8 @@ class Profile:
     points: list[Point]
     spec: ModelSpec
     hardware: HardwareSpec
+    # the machine's measured limits on one thread (kernels.roofline), beside the fitted rates
+    roofline: dict[str, float] | None = None
 
     @property
     def cost_model(self) -> CostModel:
@@ -224,6 +226,7 @@ class Profile:
             "threads": self.threads,
             "model_spec": asdict(self.spec),
             "hardware": asdict(self.hardware),
+            "roofline": self.roofline,
             "points": [{**asdict(p), "tokens": p.tokens} for p in self.points],
             "simulated_vs_measured_error_pct": {
                 "mean": statistics.fmean(self.errors_pct()),
@@ -240,7 +243,13 @@ class Profile:
         d = json.loads(path.read_text())
         points = [Point(**{k: v for k, v in p.items() if k != "tokens"}) for p in d["points"]]
         return cls(
-            d["model"], d["dtype"], d["threads"], points, ModelSpec(**d["model_spec"]), HardwareSpec(**d["hardware"])
+            d["model"],
+            d["dtype"],
+            d["threads"],
+            points,
+            ModelSpec(**d["model_spec"]),
+            HardwareSpec(**d["hardware"]),
+            d.get("roofline"),
         )
 
 
@@ -248,7 +257,7 @@ def profile_runner(runner: ModelRunner, num_blocks: int, threads: int, quick: bo
     points = measure(runner, num_blocks, quick)
     cost = fit(runner.config.spec(runner.dtype.itemsize), points, runner.small_batch_rows)
     dtype = str(runner.dtype).removeprefix("torch.")
-    return Profile(runner.config.name, dtype, threads, points, cost.model, cost.hardware)
+    return Profile(runner.config.name, dtype, threads, points, cost.model, cost.hardware, runner.roofline())
 
 
 def default_profile_path(model: str, dtype: str, threads: int) -> Path:
@@ -273,6 +282,15 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
         "",
         "  decodes  context  chunk  prefix  tokens  measured ms  simulated ms  error",
     ]
+    if p.roofline:
+        bf16 = p.dtype == "bfloat16" and p.roofline["brgemm_bf16"]
+        peak = p.roofline["brgemm_bf16"] if bf16 else p.roofline["fma_f32"]
+        lines[1:1] = [
+            f"measured limits of one thread: float32 FMA peak {p.roofline['fma_f32'] / 1e9:.0f} GFLOP/s, "
+            f"bf16 brgemm {p.roofline['brgemm_bf16'] / 1e9:.0f} GFLOP/s, int8 {p.roofline['brgemm_int8'] / 1e9:.0f} "
+            f"GOP/s, reads {p.roofline['read_bw'] / 1e9:.1f} GB/s; the fitted GEMM rate is "
+            f"{hw.flops / peak * 100:.0f}% of the {p.dtype} peak"
+        ]
     for pt, err in zip(p.points, p.errors_pct(), strict=True):
         lines.append(
             f"  {pt.decodes:>7}  {pt.decode_context:>7}  {pt.chunk:>5}  {pt.prefix:>6}  {pt.tokens:>6}"

@@ -16,7 +16,7 @@ from core.model.llama import LlamaModel
 from core.model.loader import LoadedModel
 from core.model.sampler import Sampler
 from core.sched.batch import Batch, Sampled
-from kernels import Linear, backend, build_attention_meta
+from kernels import Linear, backend, build_attention_meta, roofline
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -77,6 +77,13 @@ class ModelRunner:
         # batches up to this many tokens read the compact decode weights (0: none)
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.layers[0].gate_up.compact is not None else 0
         self.load_s = time.perf_counter() - start
+
+    def roofline(self) -> dict[str, float] | None:
+        """This machine's measured limits on one thread (CPU with the native kernels), for the profile."""
+        if self.device.type != "cpu":
+            return None
+        measured = roofline.measure()
+        return None if measured is None else measured.to_json()
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> object:
         """(dtype, K, V): K and V of those blocks, each (layers, blocks, block size,

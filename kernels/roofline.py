@@ -1,0 +1,40 @@
+"""One thread's limits on this machine, measured (``kernels/csrc/roofline.cpp``).
+
+The figures every kernel is judged against: ``bench.engine.engine_profile``
+reports each op's achieved rate as a fraction of them, and ``stallfree
+profile`` records them beside its fitted rates. Peaks are the best of a few
+short runs (AMX ramps its clock up over the first few milliseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kernels import cpu_build
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    fma_f32: float  # FLOP/s: vector FMAs in registers, the float32 peak
+    brgemm_f32: float  # FLOP/s: oneDNN's brgemm on cache-resident float32 operands
+    brgemm_bf16: float  # FLOP/s: the same in bf16 (AMX tiles where present); 0 if none
+    brgemm_int8: float  # OP/s: u8 x s8 (AMX-INT8 / VNNI); 0 if none
+    read_bw: float  # bytes/s: one thread streaming a buffer far larger than the caches
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """The FLOP/s a GEMM in ``dtype`` can reach here (the float32 FMA peak for float32)."""
+        return self.brgemm_bf16 if dtype == torch.bfloat16 and self.brgemm_bf16 else self.fma_f32
+
+
+def measure(seconds: float = 0.1, runs: int = 3) -> Roofline | None:
+    """The limits of the thread this runs on; None without the native kernels."""
+    if cpu_build.status().backend != "native":
+        return None
+    torch.ops.stallfree.roofline(seconds)  # warm-up: AMX's first milliseconds run slow
+    best = [max(v) for v in zip(*(torch.ops.stallfree.roofline(seconds) for _ in range(runs)), strict=True)]
+    return Roofline(*best)
