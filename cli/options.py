@@ -211,6 +211,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", help="auto (bf16 with AMX/AVX512-BF16 or CUDA, else fp32), bf16, fp32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    g.add_argument(
+        "--compute",
+        default="float",
+        choices=["float", "int8"],
+        help="float: GEMMs in --dtype; int8: prefill chunks' GEMMs in int8 (activations per row, weights per "
+        "output column; float32 elsewhere; needs AMX-INT8 or AVX-512 VNNI)",
+    )
     g.add_argument("--threads", type=int, help="torch threads (default: all cores; serve: all but one)")
     g.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default %(default)s GiB)")
 
@@ -222,7 +229,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         raise ValueError("--threads must be >= 1")
     if args.kv_cache_gib <= 0:
         raise ValueError("--kv-cache-gib must be > 0")
-    return ModelSettings(args.model, args.dtype, args.device, args.threads, args.kv_cache_gib)
+    return ModelSettings(args.model, args.dtype, args.device, args.threads, args.kv_cache_gib, compute=args.compute)
 
 
 def add_json_arg(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ from core.model.model_runner import ModelRunner, kv_blocks_for, resolve_dtype
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
+from kernels.linear import int8_available
 
 # Roughly this 2-core CPU running the embedded SmolLM2 in bf16 (fitted by
 # `stallfree profile`); the simulated server's default cost.
@@ -35,6 +36,7 @@ class ModelSettings:
     threads: int | None = None  # torch intra-op threads; None: all cores
     kv_cache_gib: float = 2.0
     block_size: int = 16
+    compute: str = "float"  # float | int8 (chunk-sized GEMMs in int8; float32 activations)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,8 +52,14 @@ def load_runner(settings: ModelSettings) -> ModelRunner:
     loaded = load_model(settings.model)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    if settings.compute == "int8":
+        if device.type != "cpu" or not int8_available():
+            raise ValueError("--compute int8 needs a CPU with an int8 brgemm (AMX-INT8 or AVX-512 VNNI)")
+        if settings.dtype not in ("auto", "fp32", "float32"):
+            raise ValueError("--compute int8 runs float32 activations: use --dtype auto or fp32")
+        dtype = torch.float32
     num_blocks = kv_blocks_for(loaded, int(settings.kv_cache_gib * 2**30), settings.block_size, dtype)
-    return ModelRunner(loaded, num_blocks, settings.block_size, dtype, device)
+    return ModelRunner(loaded, num_blocks, settings.block_size, dtype, device, settings.compute)
 
 
 def startup_profile(runner: ModelRunner, path: Path | None = None, measure: bool = False) -> tuple[Profile | None, str]:

@@ -23,6 +23,7 @@ from kernels import cpu_build, reference
 from kernels.attention_meta import AttentionMeta, build_attention_meta
 from kernels.compact import Quantized
 from kernels.linear import Linear
+from kernels.linear import int8_available as linear_int8_available
 
 
 @cache
@@ -128,6 +129,7 @@ __all__ = [
     "build_attention_meta",
     "cpu_path",
     "linear",
+    "linear_int8_available",
     "native_cpu",
     "paged_attention",
     "rms_norm",

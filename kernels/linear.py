@@ -9,6 +9,12 @@ on an AVX2 EPYC too. Elsewhere (CUDA, a torch without the op) this is plain
 (``kernels.linear``): the compact copy (``kernels.compact``) only up to
 ``Linear.COMPACT_ROWS`` rows, where reading fewer bytes beats oneDNN.
 
+A layer made with ``int8`` (``--compute int8``) keeps an int8 copy of its
+float32 weight, one scale per output column, and runs float32 batches through
+``gemm_int8`` (activations quantized per row, oneDNN's u8 x s8 brgemm: AMX-INT8
+or AVX-512 VNNI); the kernel dispatch still sends decode-sized batches to the
+compact copy, so only chunks run in int8.
+
 A layer made with ``float_out`` (the ones whose output joins the float32
 residual stream) returns float32 products of its narrower operands, never
 rounded to bf16: through oneDNN's brgemm where it runs (``gemm_bf16_f32``),
@@ -36,14 +42,21 @@ class Linear:
         bias: torch.Tensor | None = None,
         quantized: Quantized | None = None,
         float_out: bool = False,
+        int8: bool = False,
     ):
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
         self.compact: CompactWeight | None = None
         self.float_out = float_out and weight.dtype != torch.float32
         self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_bf16_f32
+        self.int8: list[torch.Tensor] | None = None  # (packed, scale, shift) for gemm_int8
         if weight.device.type != "cpu":
             return
+        if int8:
+            if not int8_available() or weight.dtype != torch.float32:
+                raise ValueError("int8 compute needs float32 weights and the native kernels' int8 brgemm")
+            if weight.shape[0] % 64 == 0 and weight.shape[1] % 4 == 0:
+                self.int8 = torch.ops.stallfree.pack_int8(weight)
         n, k = weight.shape
         if self.float_out and weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
             self.vnni = torch.ops.stallfree.pack_bf16(weight)
@@ -57,6 +70,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b by oneDNN's prepacked weight or ``F.linear`` (every device)."""
+        if self.int8 is not None and x.dtype == torch.float32:
+            return torch.ops.stallfree.gemm_int8(x.contiguous(), *self.int8, self.bias)
         if self.float_out:
             if self.vnni is not None and x.dtype == torch.bfloat16:
                 return torch.ops.stallfree.gemm_bf16_f32(x, self.vnni, self.weight.shape[0], self.bias)
@@ -64,6 +79,11 @@ class Linear:
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def int8_available() -> bool:
+    """Whether ``--compute int8`` can run here: the native kernels and an int8 brgemm (AMX-INT8 or VNNI)."""
+    return cpu_build.status().backend == "native" and bool(torch.ops.stallfree.int8_brgemm())
 
 
 def _has_bf16_brgemm() -> bool:

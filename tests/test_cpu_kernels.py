@@ -249,3 +249,36 @@ def test_the_roofline_probe_gives_sane_figures(ops):
     assert 0 <= r.brgemm_int8 <= 2 * 2048 * ghz
     assert 1e8 < r.read_bw <= 500e9
     assert r.peak(torch.bfloat16) == (r.brgemm_bf16 or r.fma_f32) and r.peak(torch.float32) == r.fma_f32
+
+
+@pytest.mark.skipif(not kernels.linear_int8_available(), reason="no int8 brgemm (AMX-INT8 / VNNI) on this CPU")
+@settings(max_examples=10, deadline=None)
+@given(rows=st.sampled_from([65, 130, 512]), k=st.sampled_from([64, 576]), seed=st.integers(0, 999))
+def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
+    """gemm_int8 = the float64 product of the int8 values it computes with, scaled
+    back, within 1e-3 of the output's range (a half-step tie in an activation's
+    rounding moves one product by one step); and within a few % of the float32 GEMM."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(128, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    layer = kernels.Linear(w, int8=True)
+    packed, scale, shift = layer.int8
+    y = kernels.linear(layer, x)
+    wq = (w / scale[:, None]).round().clamp(-127, 127).double()
+    sx = x.abs().amax(1, keepdim=True).double() / 127
+    xq = (x.double() / sx).round()
+    ref = (xq @ wq.t()) * sx * scale.double()
+    assert (y.double() - ref).abs().max() <= 1e-3 * ref.abs().max()
+    exact = x.double() @ w.double().t()
+    assert (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+    assert shift.tolist() == (wq.sum(1) * 128).long().tolist()
+
+
+@pytest.mark.skipif(not kernels.linear_int8_available(), reason="no int8 brgemm (AMX-INT8 / VNNI) on this CPU")
+def test_int8_layers_leave_decode_sized_batches_to_the_compact_weights(ops):
+    w = torch.randn(128, 64).bfloat16().float()  # bf16-exact: it has a compact copy
+    plain, int8 = kernels.Linear(w), kernels.Linear(w, int8=True)
+    x = torch.randn(kernels.Linear.COMPACT_ROWS, 64)
+    assert torch.equal(kernels.linear(int8, x), kernels.linear(plain, x))
+    big = torch.randn(kernels.Linear.COMPACT_ROWS + 1, 64)
+    assert not torch.equal(kernels.linear(int8, big), kernels.linear(plain, big))

@@ -256,7 +256,7 @@ class Profile:
 def profile_runner(runner: ModelRunner, num_blocks: int, threads: int, quick: bool = False) -> Profile:
     points = measure(runner, num_blocks, quick)
     cost = fit(runner.config.spec(runner.dtype.itemsize), points, runner.small_batch_rows)
-    dtype = str(runner.dtype).removeprefix("torch.")
+    dtype = compute_label(runner)
     return Profile(runner.config.name, dtype, threads, points, cost.model, cost.hardware, runner.roofline())
 
 
@@ -304,9 +304,14 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def compute_label(runner: ModelRunner) -> str:
+    """What the runner's GEMMs compute in: its dtype, or ``int8`` with ``--compute int8``."""
+    return "int8" if runner.compute == "int8" else str(runner.dtype).removeprefix("torch.")
+
+
 def runner_profile_path(runner: ModelRunner) -> Path:
-    """Where this runner's profile is saved by default (model, dtype, threads)."""
-    return default_profile_path(runner.config.name, str(runner.dtype).removeprefix("torch."), runner.threads)
+    """Where this runner's profile is saved by default (model, compute dtype, threads)."""
+    return default_profile_path(runner.config.name, compute_label(runner), runner.threads)
 
 
 def saved_profile(runner: ModelRunner) -> Profile | None:

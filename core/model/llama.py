@@ -56,6 +56,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         quantized: dict[str, kernels.Quantized] | None = None,
+        int8: bool = False,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -65,7 +66,11 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=as_dtype).contiguous()
 
         def linear(
-            *names: str, bias: torch.Tensor | None = None, as_dtype: torch.dtype = dtype, float_out: bool = False
+            *names: str,
+            bias: torch.Tensor | None = None,
+            as_dtype: torch.dtype = dtype,
+            float_out: bool = False,
+            body: bool = True,
         ) -> kernels.Linear:
             """One layer over the named weights stacked by rows (fused QKV, gate/up)."""
             weight = w(names[0], as_dtype) if len(names) == 1 else torch.cat([w(n, as_dtype) for n in names])
@@ -73,7 +78,7 @@ class LlamaModel:
             kinds = {b.kind for b in blocks if b is not None}
             same = None not in blocks and len(kinds) == 1
             stacked = kernels.Quantized(kinds.pop(), torch.cat([b.blocks for b in blocks if b])) if same else None
-            return kernels.Linear(weight, bias, stacked, float_out)
+            return kernels.Linear(weight, bias, stacked, float_out, int8=int8 and body)
 
         self.embed = w("model.embed_tokens.weight")
         # The head runs in float32 whatever the compute dtype: a greedy choice is
@@ -82,7 +87,9 @@ class LlamaModel:
         # step. On CPU its compact copy (the GGUF's Q8_0 blocks) keeps decode's
         # cost; a chunk asks for only a few rows of logits.
         self.lm_head = linear(
-            "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight", as_dtype=torch.float32
+            "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight",
+            as_dtype=torch.float32,
+            body=False,
         )
         self.final_norm = w("model.norm.weight", torch.float32)
         self.layers = []

@@ -55,7 +55,13 @@ def kv_blocks_for(loaded: LoadedModel, cache_bytes: int, block_size: int, dtype:
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        compute: str = "float",
     ) -> None:
         start = time.perf_counter()
         c = loaded.config
@@ -68,7 +74,8 @@ class ModelRunner:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.tokenizer.eos_token_ids
         self.vocab_size = c.vocab_size
-        self.model = LlamaModel(c, loaded.weights, dtype, device, loaded.quantized)
+        self.compute = compute  # float: GEMMs in dtype; int8: chunk GEMMs in int8 (kernels.Linear)
+        self.model = LlamaModel(c, loaded.weights, dtype, device, loaded.quantized, int8=compute == "int8")
         self.sampler = Sampler(c.vocab_size, device, loaded.tokenizer)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
