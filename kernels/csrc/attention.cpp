@@ -313,12 +313,13 @@ void matmul(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B
 // Measured on a 512-token chunk after 1,500 cached tokens (bench.kernels.attention_kernels):
 // larger tiles amortise the gather and the per-row softmax bookkeeping, up to here.
 constexpr int TKB = 128;       // KV tokens per brgemm tile
-constexpr int NB = 64;         // columns per Q K^T product
 constexpr int TILE_VECS_BRGEMM = 192;  // query vectors (rows x group) per work item
 
 template <typename T, int D>
 void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int first_pos, const T* kc, const T* vc,
                         const Cache& c, float scale, T* out, int64_t out_row_stride) {
+  // columns per Q K^T product: oneDNN packs bf16 B operands of at most 64
+  constexpr int NB = std::is_same_v<T, float> ? TKB : 64;
   const int M = rows * G;
   std::vector<T> qbuf(static_cast<size_t>(M) * D), pbuf(static_cast<size_t>(M) * TKB);
   std::vector<float> s(static_cast<size_t>(M) * TKB), o(static_cast<size_t>(M) * D, 0.f), mx(M, NEG_INF), sum(M, 0.f);
