@@ -262,7 +262,7 @@ def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
     w = torch.randn(128, k, generator=gen) * 0.05
     x = torch.randn(rows, k, generator=gen)
     layer = kernels.Linear(w, int8=True)
-    packed, scale, shift = layer.int8
+    _, scale, shift = layer.int8
     y = kernels.linear(layer, x)
     wq = (w / scale[:, None]).round().clamp(-127, 127).double()
     sx = x.abs().amax(1, keepdim=True).double() / 127
