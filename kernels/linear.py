@@ -49,6 +49,7 @@ class Linear:
         self.compact: CompactWeight | None = None
         self.float_out = float_out and weight.dtype != torch.float32
         self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_bf16_f32
+        self.wide: tuple[torch.Tensor, torch.Tensor | None] | None = None  # float_out without brgemm
         self.int8: list[torch.Tensor] | None = None  # (packed, scale, shift) for gemm_int8
         if weight.device.type != "cpu":
             return
@@ -75,7 +76,9 @@ class Linear:
         if self.float_out:
             if self.vnni is not None and x.dtype == torch.bfloat16:
                 return torch.ops.stallfree.gemm_bf16_f32(x, self.vnni, self.weight.shape[0], self.bias)
-            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            if self.wide is None:  # the same bf16 values, widened once
+                self.wide = (self.weight.float(), None if self.bias is None else self.bias.float())
+            return F.linear(x.float(), *self.wide)
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
