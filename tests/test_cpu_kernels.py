@@ -236,15 +236,16 @@ def test_float_out_runs_on_brgemm_where_the_cpu_has_amx(ops):
 
 
 def test_the_roofline_probe_gives_sane_figures(ops):
-    """Positive, under what any CPU core could do (6 GHz, two 512-bit FMA
-    ports, AMX's 1,024 bf16 MACs a cycle), and no kernel above the FMA peak."""
+    """Positive and under what any CPU core could do (6 GHz, two 512-bit FMA
+    ports, AMX's 1,024 bf16 MACs a cycle). No relation between two rates is
+    asserted: the tests share the cores, so one probe may run slowed."""
     from kernels import roofline
 
     ghz = 6e9
     r = roofline.measure(seconds=0.02, runs=1)
     assert r is not None
     assert 1e9 < r.fma_f32 <= 2 * 16 * 2 * ghz
-    assert 0 < r.brgemm_f32 <= 1.1 * r.fma_f32
+    assert 0 < r.brgemm_f32 <= 2 * 16 * 2 * ghz
     assert 0 <= r.brgemm_bf16 <= 2 * 1024 * ghz and (r.brgemm_bf16 > 0) == cpu_build.has_amx()
     assert 0 <= r.brgemm_int8 <= 2 * 2048 * ghz
     assert 1e8 < r.read_bw <= 500e9
@@ -255,9 +256,10 @@ def test_the_roofline_probe_gives_sane_figures(ops):
 @settings(max_examples=10, deadline=None)
 @given(rows=st.sampled_from([65, 130, 512]), k=st.sampled_from([64, 576]), seed=st.integers(0, 999))
 def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
-    """gemm_int8 = the float64 product of the int8 values it computes with, scaled
-    back, within 1e-3 of the output's range (a half-step tie in an activation's
-    rounding moves one product by one step); and within a few % of the float32 GEMM."""
+    """gemm_int8 = the float64 product of the int8 values it computes with (the
+    activations quantized as the kernel does, in float32: x * (1 / scale),
+    rounded half to even), scaled back, within 1e-3 of the output's range;
+    and within a few % of the float32 GEMM."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(128, k, generator=gen) * 0.05
     x = torch.randn(rows, k, generator=gen)
@@ -265,9 +267,9 @@ def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
     _, scale, shift = layer.int8
     y = kernels.linear(layer, x)
     wq = (w / scale[:, None]).round().clamp(-127, 127).double()
-    sx = x.abs().amax(1, keepdim=True).double() / 127
-    xq = (x.double() / sx).round()
-    ref = (xq @ wq.t()) * sx * scale.double()
+    sx = x.abs().amax(1, keepdim=True) / 127
+    xq = (x * (1 / sx)).round().double()
+    ref = (xq @ wq.t()) * sx.double() * scale.double()
     assert (y.double() - ref).abs().max() <= 1e-3 * ref.abs().max()
     exact = x.double() @ w.double().t()
     assert (y.double() - exact).abs().max() <= 0.05 * exact.abs().max()
