@@ -12,8 +12,8 @@ on an AVX2 EPYC too. Elsewhere (CUDA, a torch without the op) this is plain
 A layer made with ``int8`` (``--compute int8``) keeps an int8 copy of its
 float32 weight, one scale per output column, and runs float32 batches through
 ``gemm_int8`` (activations quantized per row, oneDNN's u8 x s8 brgemm: AMX-INT8
-or AVX-512 VNNI); the kernel dispatch still sends decode-sized batches to the
-compact copy, so only chunks run in int8.
+or AVX-512 VNNI) above ``COMPACT_ROWS`` rows: only prefill chunks run in int8,
+decode-sized batches stay exact.
 
 A layer made with ``float_out`` (the ones whose output joins the float32
 residual stream) returns float32 products of its narrower operands, never
@@ -50,13 +50,13 @@ class Linear:
         self.float_out = float_out and weight.dtype != torch.float32
         self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_bf16_f32
         self.wide: tuple[torch.Tensor, torch.Tensor | None] | None = None  # float_out without brgemm
-        self.int8: list[torch.Tensor] | None = None  # (packed, scale, shift) for gemm_int8
+        self.int8: list[torch.Tensor] | None = None  # [packed, scale, shift] for gemm_int8
         if weight.device.type != "cpu":
             return
         if int8:
             if not int8_available() or weight.dtype != torch.float32:
                 raise ValueError("int8 compute needs float32 weights and the native kernels' int8 brgemm")
-            if weight.shape[0] % 64 == 0 and weight.shape[1] % 4 == 0:
+            if weight.shape[0] % 64 == 0 and weight.shape[1] % 64 == 0:
                 self.int8 = torch.ops.stallfree.pack_int8(weight)
         n, k = weight.shape
         if self.float_out and weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
@@ -71,7 +71,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b by oneDNN's prepacked weight or ``F.linear`` (every device)."""
-        if self.int8 is not None and x.dtype == torch.float32:
+        if self.int8 is not None and x.dtype == torch.float32 and x.shape[0] > self.COMPACT_ROWS:
             return torch.ops.stallfree.gemm_int8(x.contiguous(), *self.int8, self.bias)
         if self.float_out:
             if self.vnni is not None and x.dtype == torch.bfloat16:

@@ -2,8 +2,9 @@
 
 The figures every kernel is judged against: ``bench.engine.engine_profile``
 reports each op's achieved rate as a fraction of them, and ``stallfree
-profile`` records them beside its fitted rates. Peaks are the best of a few
-short runs (AMX ramps its clock up over the first few milliseconds).
+profile`` records them beside its fitted rates. Each figure is the best of a
+few short runs after one discarded run: on a shared machine the slow runs are
+the noise.
 """
 
 from __future__ import annotations
@@ -35,6 +36,6 @@ def measure(seconds: float = 0.1, runs: int = 3) -> Roofline | None:
     """The limits of the thread this runs on; None without the native kernels."""
     if cpu_build.status().backend != "native":
         return None
-    torch.ops.stallfree.roofline(seconds)  # warm-up: AMX's first milliseconds run slow
+    torch.ops.stallfree.roofline(seconds)  # discarded: first-use costs (JIT, page faults)
     best = [max(v) for v in zip(*(torch.ops.stallfree.roofline(seconds) for _ in range(runs)), strict=True)]
     return Roofline(*best)

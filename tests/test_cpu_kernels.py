@@ -277,9 +277,15 @@ def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
 
 
 @pytest.mark.skipif(not kernels.linear_int8_available(), reason="no int8 brgemm (AMX-INT8 / VNNI) on this CPU")
-def test_int8_layers_leave_decode_sized_batches_to_the_compact_weights(ops):
-    w = torch.randn(128, 64).bfloat16().float()  # bf16-exact: it has a compact copy
+@pytest.mark.parametrize("compact", [True, False])
+def test_int8_layers_leave_decode_sized_batches_exact(ops, compact):
+    """Up to COMPACT_ROWS rows an int8 layer gives the float layer's output, with
+    a compact copy (bf16-exact weights) or without one; above, it runs int8."""
+    w = torch.randn(128, 64)
+    if compact:
+        w = w.bfloat16().float()
     plain, int8 = kernels.Linear(w), kernels.Linear(w, int8=True)
+    assert (plain.compact is not None) == compact
     x = torch.randn(kernels.Linear.COMPACT_ROWS, 64)
     assert torch.equal(kernels.linear(int8, x), kernels.linear(plain, x))
     big = torch.randn(kernels.Linear.COMPACT_ROWS + 1, 64)

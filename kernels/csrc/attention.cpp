@@ -404,7 +404,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int H = q.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int rows_per_tile = std::max(1, (use_brgemm<T>() ? TILE_VECS_BRGEMM : TILE_VECS) / G);
+  const bool brgemm = use_brgemm<T>();
+  const int rows_per_tile = std::max(1, (brgemm ? TILE_VECS_BRGEMM : TILE_VECS) / G);
   std::vector<Work> work;
   for (int s = 0; s < S; ++s)
     for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile)
@@ -422,7 +423,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     return Cache{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
                  static_cast<int64_t>(w.kv_head) * D};
   };
-  const bool brgemm = use_brgemm<T>();
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     bool tiles_used = false;
     for (int64_t i = begin; i < end; ++i) {

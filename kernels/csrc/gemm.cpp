@@ -192,7 +192,7 @@ at::Tensor gemm_q4_1(const at::Tensor& x, const at::Tensor& d, const at::Tensor&
 // rounding moved the embedded model's first answer token. Weights are packed
 // once into VNNI pairs, in blocks of 64 output columns: [N/64][K/2][64][2].
 constexpr int NBLK = 64;
-constexpr int MBLK = 32;  // activation rows per brgemm call  // activation rows per brgemm call  // activation rows per brgemm call  // activation rows per brgemm call
+constexpr int MBLK = 32;  // activation rows per brgemm call
 
 bool bf16_brgemm() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
@@ -242,8 +242,8 @@ bool int8_brgemm() { return at::native::cpublas::could_pack(at::kChar); }
 
 // w [N, K] float32 -> (packed int8 [N * K], scale [N] float32, shift [N] int32 = 128 * sum_k q)
 std::vector<at::Tensor> pack_int8(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) % NBLK == 0 && w.size(1) % 4 == 0,
-              "w: float32 [N, K], N a multiple of 64, K of 4");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) % NBLK == 0 && w.size(1) % 64 == 0,
+              "w: float32 [N, K], N and K multiples of 64");
   const int64_t N = w.size(0), K = w.size(1);
   const at::Tensor scale = w.abs().amax(1).clamp_min(1e-12) / 127.0;
   const at::Tensor q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
@@ -261,8 +261,9 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = scale.numel();
-  TORCH_CHECK(packed.numel() == N * K && N % NBLK == 0, "packed weight does not match x");
+  TORCH_CHECK(packed.numel() == N * K && N % NBLK == 0 && K % 64 == 0, "packed weight does not match x");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias: float32 [N]");
+  typedef uint8_t vb __attribute__((vector_size(W)));
   std::vector<uint8_t> xq(M * K);
   std::vector<float> sx(M);
   const float* xp = x.data_ptr<float>();
@@ -276,8 +277,11 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& packed, const at::Te
       }
       const float amax = hmax(mx);
       sx[m] = amax > 0.f ? amax / 127.f : 1.f;
-      const float inv = 1.f / sx[m];
-      for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<uint8_t>(std::nearbyint(r[k] * inv) + 128.f);
+      const vf inv = splat(1.f / sx[m]);
+      for (int64_t k = 0; k < K; k += W) {
+        const vb q = __builtin_convertvector(vround(load(r + k) * inv) + 128, vb);
+        std::memcpy(&xq[m * K + k], &q, sizeof(q));
+      }
     }
   });
   at::Tensor y = at::empty({M, N}, x.options());
