@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-from bench.accuracy.greedy_agreement import PROMPTS
+from bench.accuracy.greedy_agreement import PROMPTS, greedy
 from bench.record import dated, describe, machine, table
 from core.model.loader import LoadedModel, load_model
 from core.model.model_runner import ModelRunner
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
 from kernels import build_attention_meta, linear_int8_available, native_cpu
 
 TEXT = Path(__file__).with_name("english.txt")
@@ -41,7 +38,7 @@ CPU = torch.device("cpu")
 
 def runner_for(loaded: LoadedModel, mode: str) -> ModelRunner:
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    return ModelRunner(loaded, WINDOW // BLOCK + 64, BLOCK, dtype, CPU, "int8" if mode == "int8" else "float")
+    return ModelRunner(loaded, 128, BLOCK, dtype, CPU, "int8" if mode == "int8" else "float")
 
 
 def perplexity(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:
@@ -63,15 +60,6 @@ def perplexity(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:
     return math.exp(nll / scored), scored
 
 
-def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
-    engine = Engine(SchedulerConfig(token_budget=512, max_model_len=1024), CacheConfig(96, BLOCK), runner)
-    req = Request("g", prompt, SamplingParams(max_tokens=steps, ignore_eos=True), 0)
-    engine.add_request(req)
-    while engine.has_work:
-        engine.step()
-    return list(req.output_token_ids)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32)
@@ -88,7 +76,7 @@ def main() -> None:
     for mode in modes:
         runner = runner_for(loaded, mode)
         ppl, scored = perplexity(runner, ids)
-        outs = [greedy(runner, p, args.tokens) for p in prompts]
+        outs = [greedy(runner, p, args.tokens, token_budget=512) for p in prompts]
         results[mode] = {"perplexity": ppl, "tokens_scored": scored, "outputs": outs}
         print(f"{mode}: perplexity {ppl:.4f} over {scored} tokens", file=sys.stderr, flush=True)
     truth = results["float32"]["outputs"]

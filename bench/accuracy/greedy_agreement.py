@@ -38,8 +38,9 @@ PROMPTS = [
 ]
 
 
-def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
-    engine = Engine(SchedulerConfig(token_budget=64, max_model_len=1024), CacheConfig(128, 16), runner)
+def greedy(runner: ModelRunner, prompt: list[int], steps: int, token_budget: int = 64) -> list[int]:
+    """``steps`` greedy tokens after ``prompt``, chunked at ``token_budget``."""
+    engine = Engine(SchedulerConfig(token_budget=token_budget, max_model_len=1024), CacheConfig(128, 16), runner)
     req = Request("g", prompt, SamplingParams(max_tokens=steps, ignore_eos=True), 0)
     engine.add_request(req)
     while engine.has_work:

@@ -129,6 +129,12 @@ SCENARIOS = {
 }
 
 
+def rate(runs: list[dict], flops: tuple[str, ...], seconds: str, peak: float) -> str:
+    """Median GFLOP/s of ``flops`` over the time in ``seconds``, and its share of ``peak``."""
+    r = statistics.median(sum(run.get(f, 0.0) for f in flops) / run[seconds] for run in runs if run.get(seconds))
+    return f"{r / 1e9:.0f} ({r / peak * 100:.0f}%)"
+
+
 def run_once(model: LlamaModel, caches: tuple[torch.Tensor, torch.Tensor], iterations: list[tuple]) -> float:
     start = time.perf_counter()
     for tables, seq_lens, q_lens, decodes in iterations:
@@ -222,26 +228,18 @@ def main() -> None:
         f"reads {limits.read_bw / 1e9:.1f} GB/s. Medians; GFLOP/s (% of peak).",
         "",
     ]
-    cells = []
-    for name, by in results.items():
-        for backend in backends:
-            runs = by[backend]
-
-            def rate(flops: str, seconds: str, runs: list[dict] = runs) -> str:
-                r = statistics.median(run.get(flops, 0.0) / run[seconds] for run in runs if run.get(seconds))
-                return f"{r / 1e9:.0f} ({r / peak * 100:.0f}%)"
-
-            for run in runs:
-                run["all flops"] = run.get("linear (GEMM) flops", 0.0) + run.get("attention flops", 0.0)
-            cells.append(
-                [
-                    name,
-                    backend,
-                    rate("linear (GEMM) flops", "linear (GEMM)"),
-                    rate("attention flops", "attention"),
-                    rate("all flops", "total_s"),
-                ]
-            )
+    gemm, attention = ("linear (GEMM) flops",), ("attention flops",)
+    cells = [
+        [
+            name,
+            backend,
+            rate(by[backend], gemm, "linear (GEMM)", peak),
+            rate(by[backend], attention, "attention", peak),
+            rate(by[backend], gemm + attention, "total_s", peak),
+        ]
+        for name, by in results.items()
+        for backend in backends
+    ]
     lines += table(["scenario", "backend", "linear (GEMM)", "attention", "end to end"], cells, "llrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
