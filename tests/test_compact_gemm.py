@@ -45,7 +45,7 @@ def dequantized(kind: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_widened_weights_are_the_dequantized_ones_bit_for_bit(kind):
-    n, k = 96, 128
+    n, k = 96, 320  # K over two widened slices (gemm.cpp's KC), the second partial
     blocks = random_blocks(kind, n, k, seed=1)
     weight = dequantized(kind, blocks, n, k)
     compact = compact_weight(weight, Quantized(kind, blocks))
@@ -59,7 +59,7 @@ def test_widened_weights_are_the_dequantized_ones_bit_for_bit(kind):
 @given(
     kind=st.sampled_from(["Q4_1", "Q8_0", "bf16"]),
     rows=st.integers(1, 80),
-    k_blocks=st.integers(1, 6),
+    k_blocks=st.integers(1, 12),  # K up to 384: past one widened slice
     n_blocks=st.integers(1, 4),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),

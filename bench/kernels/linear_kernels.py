@@ -24,7 +24,7 @@ from bench.record import dated, describe, machine, table
 from core.model.llama import LlamaModel
 from core.model.loader import load_model
 
-ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def main() -> None:

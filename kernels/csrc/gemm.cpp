@@ -19,6 +19,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -28,14 +30,32 @@ namespace {
 
 constexpr int B = 2 * W;  // output columns per block: two vectors
 constexpr int QK = 32;    // GGUF quantization block along K
+#if defined(__AVX512F__)
+constexpr int REGS = 32;  // zmm0-31
+#else
+constexpr int REGS = 16;  // ymm0-15
+#endif
 
-// One column block's weights for one k, as two float32 vectors.
-// Each format says how many rows its register tile holds: 2*MT accumulators,
-// two weight vectors, its scales and one broadcast x must fit 16 registers.
+// Rows of a register tile: 2 accumulators a row, two weight vectors and one
+// broadcast x, and `extra` registers of the format's own (scales, a widening
+// temporary), all in the vector registers. More rows a tile read each weight
+// vector fewer times: on AVX-512, 32 registers hold 14 rows where AVX2's 16 hold 6.
+constexpr int tile_rows(int extra) { return (REGS - 3 - extra) / 2; }
+
+// Ask for `bytes` from p into L2: the next column block's weights, fetched
+// while this one computes (otherwise each block's first pass waits on DRAM).
+inline void fetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// One column block's weights for one k, as two float32 vectors; `ahead`
+// fetches a block's weights for k in [kb * QK, kb * QK + QK).
 struct Bf16 {
-  static constexpr int MT = 6;
+  static constexpr int MT = tile_rows(0);
   const c10::BFloat16* w;
   int64_t K;
+  void ahead(int64_t blk, int64_t kb) const { fetch(w + (blk * K + kb * QK) * B, QK * B * 2); }
   void begin(int64_t, int64_t) {}
   void at(int64_t blk, int64_t k, vf& w0, vf& w1) const {
     const c10::BFloat16* p = w + (blk * K + k) * B;
@@ -43,21 +63,16 @@ struct Bf16 {
   }
 };
 
-// A column block already widened into a float32 scratch [K][B] (blk ignored):
-// batches of many tiles widen each weight once, not once per tile.
-struct F32 {
-  static constexpr int MT = 6;
-  const float* w;
-  void begin(int64_t, int64_t) {}
-  void at(int64_t, int64_t k, vf& w0, vf& w1) const { w0 = load(w + k * B), w1 = load(w + k * B + W); }
-};
-
 struct Q8_0 {
-  static constexpr int MT = 5;
+  static constexpr int MT = tile_rows(3);
   const float* d;
   const int8_t* q;
   int64_t K;
   vf d0, d1;
+  void ahead(int64_t blk, int64_t kb) const {
+    fetch(d + (blk * (K / QK) + kb) * B, B * 4);
+    fetch(q + (blk * K + kb * QK) * B, QK * B);
+  }
   void begin(int64_t blk, int64_t kb) {
     const float* p = d + (blk * (K / QK) + kb) * B;
     d0 = load(p), d1 = load(p + W);
@@ -69,12 +84,17 @@ struct Q8_0 {
 };
 
 struct Q4_1 {
-  static constexpr int MT = 4;
+  static constexpr int MT = tile_rows(5);
   const float* d;
   const float* m;
   const uint8_t* q;
   int64_t K;
   vf d0, d1, m0, m1;
+  void ahead(int64_t blk, int64_t kb) const {
+    const int64_t o = (blk * (K / QK) + kb) * B;
+    fetch(d + o, B * 4), fetch(m + o, B * 4);
+    fetch(q + (blk * K + kb * QK) * W, QK * W);
+  }
   void begin(int64_t blk, int64_t kb) {
     const int64_t o = (blk * (K / QK) + kb) * B;
     d0 = load(d + o), d1 = load(d + o + W), m0 = load(m + o), m1 = load(m + o + W);
@@ -86,11 +106,21 @@ struct Q4_1 {
   }
 };
 
-// y[rows, blk*B : blk*B+B] for `rows` (<= MT) rows of x.
+// y[rows, blk*B : blk*B+B] (+)= x[rows, k0:k1] W[k0:k1, block] for `rows` (<= MT)
+// rows of x: `add` accumulates onto y (a later slice of K), else starts from
+// the bias. With `next`, fetch block blk + 1's weights meanwhile.
 template <int R, typename F>
-void tile(F f, int64_t blk, const float* x, int64_t K, const float* bias, float* y, int64_t N) {
-  vf acc[R][2] = {};
-  for (int64_t kb = 0; kb < K; kb += QK) {
+void tile(F f, int64_t blk, bool next, const float* x, int64_t K, int64_t k0, int64_t k1, bool add,
+          const float* bias, float* y, int64_t N) {
+  float* yb = y + blk * B;
+  vf acc[R][2];
+  const vf b0 = bias ? load(bias + blk * B) : vf{}, b1 = bias ? load(bias + blk * B + W) : vf{};
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = add ? load(yb + r * N) : b0;
+    acc[r][1] = add ? load(yb + r * N + W) : b1;
+  }
+  for (int64_t kb = k0; kb < k1; kb += QK) {
+    if (next) f.ahead(blk + 1, kb / QK);
     f.begin(blk, kb / QK);
     for (int64_t k = kb; k < kb + QK; ++k) {
       vf w0, w1;
@@ -102,29 +132,46 @@ void tile(F f, int64_t blk, const float* x, int64_t K, const float* bias, float*
       }
     }
   }
-  const vf b0 = bias ? load(bias + blk * B) : vf{}, b1 = bias ? load(bias + blk * B + W) : vf{};
   for (int r = 0; r < R; ++r) {
-    store(y + r * N + blk * B, acc[r][0] + b0);
-    store(y + r * N + blk * B + W, acc[r][1] + b1);
+    store(yb + r * N, acc[r][0]);
+    store(yb + r * N + W, acc[r][1]);
   }
 }
 
-// All M rows of y for one column block, MT rows at a time.
+template <typename F, size_t... R>
+constexpr auto tiles_of(std::index_sequence<R...>) {
+  return std::array{&tile<R + 1, F>...};
+}
+
+// All M rows of y for one column block, in tiles of at most MT rows, as
+// equal as can be: a short tile costs nearly as much as a full one (32 rows
+// with MT = 14 run as 11, 11, 10, not 14, 14, 4).
 template <typename F>
-void rows(F f, int64_t blk, int64_t M, const float* x, int64_t K, const float* bias, float* y, int64_t N) {
-  constexpr int MT = F::MT;
-  int64_t r = 0;
-  for (; r + MT <= M; r += MT) tile<MT>(f, blk, x + r * K, K, bias, y + r * N, N);
-  x += r * K, y += r * N;
-  switch (M - r) {  // cases at or above MT are never reached
-    case 5: tile<5 < MT ? 5 : 1>(f, blk, x, K, bias, y, N); break;
-    case 4: tile<4 < MT ? 4 : 1>(f, blk, x, K, bias, y, N); break;
-    case 3: tile<3>(f, blk, x, K, bias, y, N); break;
-    case 2: tile<2>(f, blk, x, K, bias, y, N); break;
-    case 1: tile<1>(f, blk, x, K, bias, y, N); break;
-    default: break;
+void rows(F f, int64_t blk, bool next, int64_t M, const float* x, int64_t K, int64_t k0, int64_t k1, bool add,
+          const float* bias, float* y, int64_t N) {
+  static constexpr auto tiles = tiles_of<F>(std::make_index_sequence<F::MT>{});
+  const int64_t count = (M + F::MT - 1) / F::MT;
+  for (int64_t t = 0, r = 0; t < count; ++t) {
+    const int64_t n = (M - r + count - t - 1) / (count - t);
+    tiles[n - 1](f, blk, next && t == 0, x + r * K, K, k0, k1, add, bias, y + r * N, N);
+    r += n;
   }
 }
+
+// A slice of a column block widened into float32 scratch (blk ignored):
+// batches of many tiles widen each weight once, not once per tile.
+struct F32 {
+  static constexpr int MT = tile_rows(0);
+  const float* w;
+  int64_t k0;  // the slice's first k
+  void ahead(int64_t, int64_t) const {}
+  void begin(int64_t, int64_t) {}
+  void at(int64_t, int64_t k, vf& w0, vf& w1) const { w0 = load(w + (k - k0) * B), w1 = load(w + (k - k0) * B + W); }
+};
+
+// Rows of K per widened slice: its 32 KiB of float32 stay in L1 for every
+// tile that reads them (the whole block's, up to 192 KiB, came from L2).
+constexpr int64_t KC = 256;
 
 template <typename F>
 at::Tensor run(F f, const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias) {
@@ -141,21 +188,26 @@ at::Tensor run(F f, const at::Tensor& x, int64_t N, const c10::optional<at::Tens
     F g = f;
     // widening into scratch pays off from three tiles on (bench.kernels.linear_kernels)
     const bool widen_once = M > 2 * F::MT;
-    std::vector<float> scratch(widen_once ? K * B : 0);
+    std::vector<float> scratch(widen_once ? KC * B : 0);
     for (int64_t blk = b0; blk < b1; ++blk) {
+      const bool next = blk + 1 < N / B;
       if (!widen_once) {
-        rows(g, blk, M, xp, K, bp, yp, N);
+        rows(g, blk, next, M, xp, K, 0, K, false, bp, yp, N);
         continue;
       }
-      for (int64_t kb = 0; kb < K; kb += QK) {
-        g.begin(blk, kb / QK);
-        for (int64_t k = kb; k < kb + QK; ++k) {
-          vf w0, w1;
-          g.at(blk, k, w0, w1);
-          store(&scratch[k * B], w0), store(&scratch[k * B + W], w1);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = std::min(K, k0 + KC);
+        for (int64_t kb = k0; kb < k1; kb += QK) {
+          if (next) g.ahead(blk + 1, kb / QK);
+          g.begin(blk, kb / QK);
+          for (int64_t k = kb; k < kb + QK; ++k) {
+            vf w0, w1;
+            g.at(blk, k, w0, w1);
+            store(&scratch[(k - k0) * B], w0), store(&scratch[(k - k0) * B + W], w1);
+          }
         }
+        rows(F32{scratch.data(), k0}, blk, false, M, xp, K, k0, k1, k0 > 0, bp, yp, N);
       }
-      rows(F32{scratch.data()}, blk, M, xp, K, bp, yp, N);
     }
   });
   return y;
