@@ -26,6 +26,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     """Stream one answer to stdout; timings to stderr."""
+    from core.analysis.profiler import compute_label
     from core.build import build_engine
     from core.model.detokenizer import Detokenizer
     from core.sched.config import SchedulerConfig
@@ -60,6 +61,6 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"[{req.num_prompt_tokens} prompt tokens, {n} generated, TTFT {t.ttft_ms:.0f} ms, "
         f"{(n - 1) / (t.decode_ms / 1e3) if n > 1 and t.decode_ms else 0:.1f} tokens/s decoding, "
-        f"{runner.dtype}, {runner.threads} threads]",
+        f"{compute_label(runner)}, {runner.threads} threads]",
         file=sys.stderr,
     )

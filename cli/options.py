@@ -218,6 +218,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="float: GEMMs in --dtype; int8: prefill chunks' GEMMs in int8 (activations per row, weights per "
         "output column; float32 elsewhere; needs AMX-INT8 or AVX-512 VNNI)",
     )
+    g.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="the KV cache's dtype, in which attention runs: auto (the compute dtype) or bf16 (half the cache's "
+        "bytes and attention on bf16 tiles under float32 GEMMs)",
+    )
     g.add_argument("--threads", type=int, help="torch threads (default: all cores; serve: all but one)")
     g.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default %(default)s GiB)")
 
@@ -229,7 +235,15 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         raise ValueError("--threads must be >= 1")
     if args.kv_cache_gib <= 0:
         raise ValueError("--kv-cache-gib must be > 0")
-    return ModelSettings(args.model, args.dtype, args.device, args.threads, args.kv_cache_gib, compute=args.compute)
+    return ModelSettings(
+        args.model,
+        args.dtype,
+        args.device,
+        args.threads,
+        args.kv_cache_gib,
+        compute=args.compute,
+        kv_dtype=args.kv_dtype,
+    )
 
 
 def add_json_arg(p: argparse.ArgumentParser) -> None:

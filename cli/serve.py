@@ -174,6 +174,7 @@ def local_backend(
     facts |= {
         "runner": "torch",
         "dtype": str(runner.dtype),
+        "kv_dtype": str(runner.kv_dtype),
         "threads": runner.threads,
         "device": str(runner.device),
         "kernels": runner.kernels,

@@ -37,6 +37,7 @@ class ModelSettings:
     kv_cache_gib: float = 2.0
     block_size: int = 16
     compute: str = "float"  # float | int8 (chunk-sized GEMMs in int8; float32 activations)
+    kv_dtype: str = "auto"  # the KV cache's, and so attention's, dtype; auto: dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,8 +59,11 @@ def load_runner(settings: ModelSettings) -> ModelRunner:
         if settings.dtype not in ("auto", "fp32", "float32"):
             raise ValueError("--compute int8 runs float32 activations: use --dtype auto or fp32")
         dtype = torch.float32
-    num_blocks = kv_blocks_for(loaded, int(settings.kv_cache_gib * 2**30), settings.block_size, dtype)
-    return ModelRunner(loaded, num_blocks, settings.block_size, dtype, device, settings.compute)
+    kv_dtype = dtype if settings.kv_dtype == "auto" else resolve_dtype(settings.kv_dtype, device)
+    if kv_dtype not in (dtype, torch.bfloat16):
+        raise ValueError(f"--kv-dtype {settings.kv_dtype}: the KV cache holds the compute dtype ({dtype}) or bf16")
+    num_blocks = kv_blocks_for(loaded, int(settings.kv_cache_gib * 2**30), settings.block_size, kv_dtype)
+    return ModelRunner(loaded, num_blocks, settings.block_size, dtype, device, settings.compute, kv_dtype)
 
 
 def startup_profile(runner: ModelRunner, path: Path | None = None, measure: bool = False) -> tuple[Profile | None, str]:
@@ -79,7 +83,8 @@ def prior_cost(runner: ModelRunner) -> CostModel:
     """A rough roofline for the device, until a profile fits one (the engine's
     online correction scales it to what iterations measure)."""
     hardware = GPU_LIKE if runner.device.type == "cuda" else CPU_LIKE
-    return CostModel(runner.config.spec(runner.dtype.itemsize), hardware, attention=True, kv_reads=True)
+    spec = runner.config.spec(runner.dtype.itemsize, runner.kv_dtype.itemsize)
+    return CostModel(spec, hardware, attention=True, kv_reads=True)
 
 
 def engine_over(runner: ModelRunner, scheduler: SchedulerConfig, profile: Profile | None = None) -> Engine:

@@ -9,10 +9,11 @@ import llguidance
 import pytest
 import torch
 
-from core.analysis.profiler import choose_budget, profile_runner
+from core.analysis.profiler import choose_budget, compute_label, profile_runner
+from core.build import ModelSettings, load_runner
 from core.model.export import export_hf_dir
 from core.model.loader import ModelLoadError, load_model
-from core.model.model_runner import ModelRunner
+from core.model.model_runner import ModelRunner, kv_blocks_for
 from core.sched.batch import Batch, Item
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
@@ -117,6 +118,29 @@ def test_chunked_prefill_is_exact(tiny_model):
         assert mixed.argmax() == whole.argmax()
 
 
+def test_a_bf16_kv_cache_under_float32_compute(tiny_model):
+    """--kv-dtype bf16: the cache holds bf16 (twice the blocks in the same bytes),
+    attention runs on it, the logits stay near float32's, chunking stays exact."""
+    runner = ModelRunner(tiny_model, 256, 16, torch.float32, CPU, kv_dtype=torch.bfloat16)
+    assert runner.k_cache.dtype == runner.v_cache.dtype == torch.bfloat16
+    assert compute_label(runner) == "float32-kv-bfloat16"
+    assert kv_blocks_for(tiny_model, 2**24, 16, torch.bfloat16) == 2 * kv_blocks_for(
+        tiny_model, 2**24, 16, torch.float32
+    )
+    prompt = tokens("kv", 150)
+    whole = first_token_logits(runner, prompt, len(prompt), [])
+    mixed = first_token_logits(runner, prompt, 33, [tokens("x", 20), tokens("y", 37)])
+    assert torch.allclose(mixed, whole, atol=1e-4)  # the same bf16 values, read in another order
+    exact = first_token_logits(ModelRunner(tiny_model, 256, 16, torch.float32, CPU), prompt, len(prompt), [])
+    assert not torch.equal(whole, exact)  # the cache really rounds
+    assert torch.allclose(whole, exact, atol=0.05 * exact.abs().max().item())
+
+
+def test_kv_dtype_is_the_compute_dtype_or_bf16():
+    with pytest.raises(ValueError, match="--kv-dtype fp16"):
+        load_runner(ModelSettings("tiny", dtype="fp32", kv_dtype="fp16"))
+
+
 def greedy(tiny_model, dtype=torch.float32, **sched):
     runner = ModelRunner(tiny_model, 512, 16, dtype, CPU)
     engine = Engine(SchedulerConfig(max_num_seqs=8, max_model_len=1024, **sched), CacheConfig(512, 16), runner)
@@ -208,10 +232,14 @@ def test_profile_fits_and_chooses_a_budget(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernels_env", ["native", "reference"])
-def test_real_model_answers_paris(kernels_env):
+@pytest.mark.parametrize(
+    ("kernels_env", "options"),
+    [("native", []), ("reference", []), ("native", ["--dtype", "fp32", "--kv-dtype", "bf16"])],
+)
+def test_real_model_answers_paris(kernels_env, options):
     """The embedded SmolLM2-135M-Instruct, greedy, through the CLI, at this
-    machine's default dtype (bf16 on an AMX machine, else fp32).
+    machine's default dtype (bf16 on an AMX machine, else fp32), and with a
+    bf16 KV cache under float32 GEMMs.
 
     Its top two first tokens ("The", "L") are 0.08 apart in float32, inside
     bf16's rounding: bf16 keeps the answer because the head and the GEMMs
@@ -219,7 +247,7 @@ def test_real_model_answers_paris(kernels_env):
     """
     question = "What is the capital of France?"
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "generate", question, "--max-tokens", "24"],
+        [sys.executable, "-m", "cli", "generate", question, "--max-tokens", "24", *options],
         env={**os.environ, "STALLFREE_CPU_KERNELS": kernels_env},
         capture_output=True,
         text=True,

@@ -3,9 +3,10 @@ text and greedy agreement, on the embedded model with the native kernels.
 
     .venv/bin/python -m bench.accuracy.compute_modes [--tokens 32]
 
-Modes: float32; bf16 (its head and residual-stream GEMMs in float32); int8
-(``--compute int8``: prefill chunks' GEMMs in int8) where the CPU has an int8
-brgemm. The text, bench/accuracy/english.txt, is the first 15,079 characters
+Modes: float32; float32 with a bf16 KV cache (``--kv-dtype bf16``: attention
+in bf16); bf16 (its head and residual-stream GEMMs in float32); int8
+(``--compute int8``: prefill chunks' GEMMs in int8), alone and with a bf16 KV
+cache, where the CPU has an int8 brgemm. The text, bench/accuracy/english.txt, is the first 15,079 characters
 of the GNU GPL version 3 as Debian ships it (/usr/share/common-licenses/GPL-3;
 verbatim copies are permitted): English prose, fixed, in the repository.
 Perplexity: non-overlapping 1,024-token windows, each prefilled as two
@@ -36,9 +37,19 @@ WINDOW, CHUNK, BLOCK = 1024, 512, 16
 CPU = torch.device("cpu")
 
 
+# mode -> (dtype, --compute, KV cache dtype)
+MODES = {
+    "float32": (torch.float32, "float", torch.float32),
+    "float32, bf16 KV": (torch.float32, "float", torch.bfloat16),
+    "bf16": (torch.bfloat16, "float", torch.bfloat16),
+    "int8": (torch.float32, "int8", torch.float32),
+    "int8, bf16 KV": (torch.float32, "int8", torch.bfloat16),
+}
+
+
 def runner_for(loaded: LoadedModel, mode: str) -> ModelRunner:
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    return ModelRunner(loaded, 128, BLOCK, dtype, CPU, "int8" if mode == "int8" else "float")
+    dtype, compute, kv_dtype = MODES[mode]
+    return ModelRunner(loaded, 128, BLOCK, dtype, CPU, compute, kv_dtype)
 
 
 def perplexity(runner: ModelRunner, ids: list[int]) -> tuple[float, int]:
@@ -71,7 +82,7 @@ def main() -> None:
     loaded = load_model(None)
     ids = loaded.tokenizer.encode(TEXT.read_text())
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS] + [ids[i * 300 : (i + 1) * 300] for i in range(4)]
-    modes = ["float32", "bf16"] + (["int8"] if linear_int8_available() else [])
+    modes = [m for m in MODES if MODES[m][1] == "float" or linear_int8_available()]
     results = {}
     for mode in modes:
         runner = runner_for(loaded, mode)

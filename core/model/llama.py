@@ -143,8 +143,11 @@ class LlamaModel:
                 positions,
                 self.cos_sin,
             )
-            kernels.write_kv(k_cache[i], v_cache[i], k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
-            attn = kernels.paged_attention(q, k_cache[i], v_cache[i], meta, self.scale)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            if k_cache.dtype != q.dtype:  # a narrower KV cache (--kv-dtype): attention runs in its dtype
+                q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
+            kernels.write_kv(k_cache[i], v_cache[i], k, v, meta.slot_mapping)
+            attn = kernels.paged_attention(q, k_cache[i], v_cache[i], meta, self.scale).to(x.dtype)
             h = kernels.linear(layer.o, attn.view(t, q_size))
             x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
             h = kernels.linear(layer.down, kernels.silu_mul(kernels.linear(layer.gate_up, x)))

@@ -33,10 +33,11 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
-    def spec(self, bytes_per_param: float) -> ModelSpec:
+    def spec(self, bytes_per_param: float, kv_bytes_per_value: float | None = None) -> ModelSpec:
         """The cost model's view. Decode reads every weight but the embedding
         table (only a few rows of it) once per iteration; with tied
-        embeddings the LM head still reads it, so it counts."""
+        embeddings the LM head still reads it, so it counts. The KV cache
+        holds values of the weights' size unless told otherwise."""
         return ModelSpec(
             self.name,
             float(self.num_params),
@@ -45,7 +46,7 @@ class ModelConfig:
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            kv_bytes_per_value=bytes_per_param,
+            kv_bytes_per_value=bytes_per_param if kv_bytes_per_value is None else kv_bytes_per_value,
         )
 
     @staticmethod

@@ -62,12 +62,15 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         compute: str = "float",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         start = time.perf_counter()
         c = loaded.config
         self.config = c
         self.device = device
         self.dtype = dtype
+        # the KV cache's dtype (default: dtype); attention runs in it (LlamaModel.forward)
+        self.kv_dtype = kv_dtype or dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.threads = torch.get_num_threads()
@@ -78,8 +81,8 @@ class ModelRunner:
         self.model = LlamaModel(c, loaded.weights, dtype, device, loaded.quantized, int8=compute == "int8")
         self.sampler = Sampler(c.vocab_size, device, loaded.tokenizer)
         shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.kernels = backend(device)  # e.g. native-avx2, triton, reference (why)
         # batches up to this many tokens read the compact decode weights (0: none)
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.layers[0].gate_up.compact is not None else 0
@@ -99,7 +102,7 @@ class ModelRunner:
         those without pickling them (several times faster than tensors)."""
         blocks = torch.tensor(block_ids[: -(-num_tokens // self.block_size)], device=self.device)
         k, v = (c[:, blocks].cpu().view(torch.uint8).numpy() for c in (self.k_cache, self.v_cache))
-        return str(self.dtype).removeprefix("torch."), k, v
+        return str(self.kv_dtype).removeprefix("torch."), k, v
 
     def import_kv(self, block_ids: list[int], num_tokens: int, payload: object) -> None:
         assert isinstance(payload, tuple)
@@ -108,8 +111,8 @@ class ModelRunner:
             warnings.simplefilter("ignore", UserWarning)
             k, v = (torch.from_numpy(b).view(getattr(torch, dtype)) for b in (k_bytes, v_bytes))
         blocks = torch.tensor(block_ids[: k.shape[1]], device=self.device)
-        self.k_cache[:, blocks] = k.to(self.device, self.dtype)
-        self.v_cache[:, blocks] = v.to(self.device, self.dtype)
+        self.k_cache[:, blocks] = k.to(self.device, self.kv_dtype)
+        self.v_cache[:, blocks] = v.to(self.device, self.kv_dtype)
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
