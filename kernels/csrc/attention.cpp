@@ -287,103 +287,229 @@ bool use_brgemm() {
   return available && g_brgemm_enabled.load(std::memory_order_relaxed);
 }
 
-// C[M][N] (+)= A[M][K] B[K][N], every operand row-major with the given
-// leading dimensions. bf16 B operands are packed into VNNI pairs first
-// (`packed`: K * N values), in blocks of at most 64 columns: the widest
-// oneDNN packs.
+// Measured on a 512-token chunk after 1,500 cached tokens (bench.kernels.attention_kernels,
+// alternating builds): larger tiles amortise each KV tile's gather and the brgemm calls
+// over more query rows, up to here; more rows per item also compute more masked
+// scores on the causal diagonal (a chunk with no prefix), so float32, whose
+// products dominate its time, keeps fewer.
+constexpr int TKB = 128;  // KV tokens per brgemm tile
 template <typename T>
-void matmul(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C, int64_t ldc,
-            bool add, T* packed) {
+constexpr int TILE_VECS_BRGEMM = std::is_same_v<T, float> ? 192 : 768;  // query vectors (rows x group) per work item
+
+// C[M][N] (+)= A[M][K] B[K][N], A and C row-major. A float32 B is row-major
+// [K][N]; a bf16 B is in VNNI pairs, in blocks of at most 64 columns (the
+// widest oneDNN takes): block n0 / 64 holds [K/2][nb][2] at B + n0 * K.
+template <typename T>
+void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, float* C, int64_t ldc, bool add) {
   if constexpr (std::is_same_v<T, float>) {
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+    at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, false);
   } else {
     for (int64_t n0 = 0; n0 < N; n0 += 64) {
       const int64_t nb = std::min<int64_t>(64, N - n0);
-      T* p = packed + n0 * K;
-      at::native::cpublas::pack(K, nb, ldb, nb, at::kBFloat16, at::kBFloat16, B + n0, p);
-      at::native::cpublas::brgemm(M, nb, K, lda, nb, ldc, add, A, p, C + n0, true);
+      at::native::cpublas::brgemm(M, nb, K, lda, nb, ldc, add, A, B + n0 * K, C + n0, true);
     }
   }
 }
 
-// The same tile as attend_tile, its products by brgemm: S = Q K^T over a KV
-// tile packed transposed, online softmax per query vector in float32, then
-// O = O * corr + P V. Shapes stay fixed per tile (M x TK x D and M x D x TK,
-// the last tile zero-padded), so oneDNN generates each micro-kernel once.
-// Measured on a 512-token chunk after 1,500 cached tokens (bench.kernels.attention_kernels):
-// larger tiles amortise the gather and the per-row softmax bookkeeping, up to here.
-constexpr int TKB = 128;       // KV tokens per brgemm tile
-constexpr int TILE_VECS_BRGEMM = 192;  // query vectors (rows x group) per work item
+#if defined(__AVX512F__)
+// r[j] = column j of the 16 x 16 matrix of 32-bit words whose rows are r[0..16).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: words 0,1 (lo) and 2,3 (hi) of rows i, i+1
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4g + c], lane L: word 4L + c of rows 4g .. 4g+3
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of u[c], u[4 + c], u[8 + c], u[12 + c] into column 4L + c
+    const __m512i p = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), q = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i p2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i q2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(p, p2, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(p, p2, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(q, q2, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(q, q2, 0xdd);
+  }
+}
+#endif
 
+// A KV tile's K^T as `product`'s B operand [D][TKB]: the rows of tokens
+// [0, n) at `off` (zeros past n), read as 32-bit words (a float32, or a
+// bf16 pair along d, which is VNNI's pairing), each word's column of tokens
+// contiguous in a block of NB tokens. AVX-512 transposes 16 tokens x 16
+// words in registers; one scalar store per word was a fifth of a bf16 tile.
+template <typename T, int D>
+void gather_k(const T* kc, const int64_t* off, int n, T* out) {
+  constexpr int WORDS = D * sizeof(T) / 4;  // per token row
+  constexpr int NB = std::is_same_v<T, float> ? TKB : 64;
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+#if defined(__AVX512F__)
+  if constexpr (WORDS % 16 == 0) {
+    for (int t0 = 0; t0 < TKB; t0 += 16) {
+      uint32_t* block = o + (t0 / NB) * WORDS * NB + t0 % NB;
+      for (int w0 = 0; w0 < WORDS; w0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = t0 + i < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(kc + off[t0 + i]) + w0)
+                            : _mm512_setzero_si512();
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(block + (w0 + j) * NB, r[j]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int t = 0; t < TKB; ++t) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(kc + off[std::min(t, n - 1)]);
+    uint32_t* col = o + (t / NB) * WORDS * NB + t % NB;
+    for (int w = 0; w < WORDS; ++w) col[w * NB] = t < n ? row[w] : 0u;
+  }
+}
+
+// A KV tile's V as `product`'s B operand [TKB][D]: float32 rows as they are;
+// bf16 rows interleaved in pairs of tokens (VNNI), zeros past n.
+template <typename T, int D>
+void gather_v(const T* vc, const int64_t* off, int n, T* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int t = 0; t < n; ++t) std::copy_n(vc + off[t], D, out + t * D);
+    std::fill(out + n * D, out + TKB * D, 0.f);
+  } else {
+    constexpr int NB = std::min(D, 64);  // columns per VNNI block
+    const uint16_t zero[D] = {};
+    for (int t = 0; t < TKB; t += 2) {
+      const uint16_t* a = t < n ? reinterpret_cast<const uint16_t*>(vc + off[t]) : zero;
+      const uint16_t* b = t + 1 < n ? reinterpret_cast<const uint16_t*>(vc + off[t + 1]) : zero;
+      uint32_t* o = reinterpret_cast<uint32_t*>(out) + (t / 2) * NB;
+#if defined(__AVX512F__)
+      if constexpr (D % 32 == 0) {
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int d = 0; d < D; d += 32) {
+          const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+          uint32_t* dst = o + (d / NB) * (TKB / 2) * NB + d % NB;
+          _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
+          _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(x, hi, y));
+        }
+        continue;
+      }
+#endif
+      for (int d = 0; d < D; ++d)
+        o[(d / NB) * (TKB / 2) * NB + d % NB] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+    }
+  }
+}
+
+// One row of a tile's probabilities, p = 2^(s * log2_scale - hi), stored as
+// T; returns their sum. bf16 probabilities keep 8 bits: a shorter polynomial.
+template <typename T>
+float probability_row(const float* s, float log2_scale, float hi, T* p) {
+  constexpr int DEGREE = std::is_same_v<T, float> ? 6 : 4;
+  const vf cv = splat(log2_scale), h = splat(hi);
+  vf add{};
+  for (int t = 0; t < TKB; t += W) {
+    const vf e = vexp2<DEGREE>(load(s + t) * cv - h);
+    add += e;
+    store(p + t, e);
+  }
+  return hsum(add);
+}
+
+#if defined(__AVX512F__)
+// The bf16 row with AVX512-BF16's rounding conversion (every CPU with AMX has
+// it): one instruction per 16 values instead of five, 7% of a bf16 tile.
+__attribute__((target("avx512bf16"))) float probability_row_cvt(const float* s, float log2_scale, float hi,
+                                                                c10::BFloat16* p) {
+  const vf cv = splat(log2_scale), h = splat(hi);
+  vf add{};
+  for (int t = 0; t < TKB; t += W) {
+    const vf e = vexp2<4>(load(s + t) * cv - h);
+    add += e;
+    const __m256bh b = _mm512_cvtneps_pbh((__m512)e);
+    std::memcpy(p + t, &b, sizeof(b));
+  }
+  return hsum(add);
+}
+#endif
+
+template <typename T>
+float probabilities(const float* s, float log2_scale, float hi, T* p) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, float>) {
+    static const bool cvt = __builtin_cpu_supports("avx512bf16");
+    if (cvt) return probability_row_cvt(s, log2_scale, hi, p);
+  }
+#endif
+  return probability_row(s, log2_scale, hi, p);
+}
+
+// The same tile as attend_tile, its products by brgemm: S = Q K^T over a KV
+// tile gathered transposed, online softmax per query vector in float32, then
+// O = O * corr + P V. Shapes stay fixed per tile (M x TKB x D and M x D x TKB,
+// the last tile zero-padded), so oneDNN generates each micro-kernel once.
 template <typename T, int D>
 void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int first_pos, const T* kc, const T* vc,
                         const Cache& c, float scale, T* out, int64_t out_row_stride) {
-  // columns per Q K^T product: oneDNN packs bf16 B operands of at most 64
-  constexpr int NB = std::is_same_v<T, float> ? TKB : 64;
   const int M = rows * G;
   std::vector<T> qbuf(static_cast<size_t>(M) * D), pbuf(static_cast<size_t>(M) * TKB);
-  std::vector<float> s(static_cast<size_t>(M) * TKB), o(static_cast<size_t>(M) * D, 0.f), mx(M, NEG_INF), sum(M, 0.f);
-  std::vector<T> tiles(4 * D * TKB);
-  T *kt = tiles.data(), *vt = kt + D * TKB, *ktp = vt + D * TKB, *vtp = ktp + D * TKB;
+  std::vector<float> s(static_cast<size_t>(M) * TKB), o(static_cast<size_t>(M) * D, 0.f), sum(M, 0.f);
+  const int MW = (M + W - 1) / W * W;  // per-row state padded to whole vectors
+  std::vector<float> mx(MW, NEG_INF), mnew(MW, NEG_INF), corr(MW);
+  std::vector<int> limit(M);
+  const float log2_scale = scale * 1.44269504088896341f;
+  std::vector<T> tiles(2 * D * TKB);
+  T *kt = tiles.data(), *vt = kt + D * TKB;
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) std::copy_n(q + r * q_row_stride + g * D, D, &qbuf[(r * G + g) * D]);
-  std::fill_n(vt, TKB * D, T(0.f));
   int64_t off[TKB];
   const int kv_end = first_pos + rows;
   for (int t0 = 0; t0 < kv_end; t0 += TKB) {
     const int n = std::min(TKB, kv_end - t0);
     c.offsets(t0, n, off);
-    for (int t = 0; t < n; ++t) {
-      const T* k = kc + off[t];
-      T* col = kt + (t / NB) * D * NB + t % NB;  // K^T in column blocks of NB tokens
-      for (int d = 0; d < D; ++d) col[d * NB] = k[d];
-      std::copy_n(vc + off[t], D, vt + t * D);
-    }
-    if (n < TKB) {
-      for (int t = n; t < TKB; ++t) {
-        T* col = kt + (t / NB) * D * NB + t % NB;
-        for (int d = 0; d < D; ++d) col[d * NB] = T(0.f);
-      }
-      std::fill(vt + n * D, vt + TKB * D, T(0.f));
-    }
-    for (int b = 0; b * NB < TKB; ++b) {
-      const int64_t at = static_cast<int64_t>(b) * D * NB;
-      matmul<T>(M, NB, D, qbuf.data(), D, kt + at, NB, s.data() + b * NB, TKB, false, ktp + at);
-    }
+    gather_k<T, D>(kc, off, n, kt);
+    gather_v<T, D>(vc, off, n, vt);
+    product<T>(M, TKB, D, qbuf.data(), D, kt, s.data(), TKB, false);
+    // Online softmax in log2 units (scores times scale * log2 e), so each
+    // probability is one power of two: first every row's new running max,
+    // then all rows' rescaling factors at once, then the probabilities.
     const int r_begin = std::max(0, t0 - first_pos);  // rows below see nothing of this tile
     for (int m = 0; m < M; ++m) {
       float* sr = &s[static_cast<size_t>(m) * TKB];
+      limit[m] = m / G < r_begin ? 0 : std::min(n, first_pos + m / G - t0 + 1);
+      if (limit[m] == 0) {
+        mnew[m] = mx[m];
+        continue;
+      }
+      std::fill(sr + limit[m], sr + TKB, NEG_INF);  // causal and past the tile's end
+      vf mv = splat(NEG_INF);
+      for (int t = 0; t < TKB; t += W) mv = vmax(mv, load(sr + t));
+      mnew[m] = std::max(mx[m], hmax(mv) * log2_scale);
+    }
+    for (int m = 0; m < M; m += W) {  // corr = 2^(old max - new max); 0 for the first keys a row sees
+      const vf hi = load(&mnew[m]);
+      store(&corr[m], vexp2<6>(hi == NEG_INF ? vf{} : load(&mx[m]) - hi));
+      store(&mx[m], hi);
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* sr = &s[static_cast<size_t>(m) * TKB];
       T* pr = &pbuf[static_cast<size_t>(m) * TKB];
-      const int limit = m / G < r_begin ? 0 : std::min(n, first_pos + m / G - t0 + 1);
-      if (limit == 0) {
+      if (limit[m] == 0) {
         std::fill_n(pr, TKB, T(0.f));
         continue;
       }
-      std::fill(sr + limit, sr + TKB, NEG_INF);  // causal and past the tile's end
-      vf mv = splat(NEG_INF);
-      const vf sv = splat(scale);
-      for (int t = 0; t < TKB; t += W) {
-        const vf x = load(sr + t) * sv;
-        store(sr + t, x);
-        mv = vmax(mv, x);
-      }
-      const float mnew = std::max(mx[m], hmax(mv));
-      const float corr = std::exp(mx[m] - mnew);
-      mx[m] = mnew;
-      vf add{};
-      for (int t = 0; t < TKB; t += W) {
-        const vf x = load(sr + t);
-        const vf e = x == NEG_INF ? vf{} : vexp(x - mnew);
-        add += e;
-        store(pr + t, e);
-      }
-      sum[m] = sum[m] * corr + hsum(add);
-      if (corr != 1.f) {
+      sum[m] = sum[m] * corr[m] + probabilities(sr, log2_scale, mnew[m], pr);
+      if (corr[m] != 1.f) {
         float* om = &o[static_cast<size_t>(m) * D];
-        for (int i = 0; i < D; i += W) store(om + i, load(om + i) * corr);
+        const vf k = splat(corr[m]);
+        for (int i = 0; i < D; i += W) store(om + i, load(om + i) * k);
       }
     }
-    matmul<T>(M, D, TKB, pbuf.data(), TKB, vt, D, o.data(), D, true, vtp);
+    product<T>(M, D, TKB, pbuf.data(), TKB, vt, o.data(), D, true);
   }
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) {
@@ -405,7 +531,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const bool brgemm = use_brgemm<T>();
-  const int rows_per_tile = std::max(1, (brgemm ? TILE_VECS_BRGEMM : TILE_VECS) / G);
+  const int rows_per_tile = std::max(1, (brgemm ? TILE_VECS_BRGEMM<T> : TILE_VECS) / G);
   std::vector<Work> work;
   for (int s = 0; s < S; ++s)
     for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile)
