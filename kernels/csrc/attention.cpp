@@ -473,12 +473,16 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
     c.offsets(t0, n, off);
     gather_k<T, D>(kc, off, n, kt);
     gather_v<T, D>(vc, off, n, vt);
-    product<T>(M, TKB, D, qbuf.data(), D, kt, s.data(), TKB, false);
+    // Rows below r_begin see nothing of this tile (it lies past them on the
+    // causal diagonal): the products skip them, from a multiple of 64 rows
+    // so that oneDNN sees few distinct shapes (it generates code per shape).
+    const int r_begin = std::max(0, t0 - first_pos);
+    const int m0 = std::min(r_begin * G, M) / 64 * 64;
+    product<T>(M - m0, TKB, D, &qbuf[m0 * D], D, kt, &s[m0 * TKB], TKB, false);
     // Online softmax in log2 units (scores times scale * log2 e), so each
     // probability is one power of two: first every row's new running max,
     // then all rows' rescaling factors at once, then the probabilities.
-    const int r_begin = std::max(0, t0 - first_pos);  // rows below see nothing of this tile
-    for (int m = 0; m < M; ++m) {
+    for (int m = m0; m < M; ++m) {
       float* sr = &s[static_cast<size_t>(m) * TKB];
       limit[m] = m / G < r_begin ? 0 : std::min(n, first_pos + m / G - t0 + 1);
       if (limit[m] == 0) {
@@ -490,16 +494,16 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
       for (int t = 0; t < TKB; t += W) mv = vmax(mv, load(sr + t));
       mnew[m] = std::max(mx[m], hmax(mv) * log2_scale);
     }
-    for (int m = 0; m < M; m += W) {  // corr = 2^(old max - new max); 0 for the first keys a row sees
+    for (int m = m0; m < M; m += W) {  // corr = 2^(old max - new max); 0 for the first keys a row sees
       const vf hi = load(&mnew[m]);
       store(&corr[m], vexp2<6>(hi == NEG_INF ? vf{} : load(&mx[m]) - hi));
       store(&mx[m], hi);
     }
-    for (int m = 0; m < M; ++m) {
+    for (int m = m0; m < M; ++m) {
       const float* sr = &s[static_cast<size_t>(m) * TKB];
       T* pr = &pbuf[static_cast<size_t>(m) * TKB];
       if (limit[m] == 0) {
-        std::fill_n(pr, TKB, T(0.f));
+        std::memset(static_cast<void*>(pr), 0, TKB * sizeof(T));  // zero in float32 and bf16
         continue;
       }
       sum[m] = sum[m] * corr[m] + probabilities(sr, log2_scale, mnew[m], pr);
@@ -509,7 +513,7 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
         for (int i = 0; i < D; i += W) store(om + i, load(om + i) * k);
       }
     }
-    product<T>(M, D, TKB, pbuf.data(), TKB, vt, o.data(), D, true);
+    product<T>(M - m0, D, TKB, &pbuf[m0 * TKB], TKB, vt, &o[m0 * D], D, true);
   }
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) {
