@@ -296,18 +296,14 @@ constexpr int TKB = 128;  // KV tokens per brgemm tile
 template <typename T>
 constexpr int TILE_VECS_BRGEMM = std::is_same_v<T, float> ? 192 : 768;  // query vectors (rows x group) per work item
 
-// C[M][N] (+)= A[M][K] B[K][N], A and C row-major. A float32 B is row-major
-// [K][N]; a bf16 B is in VNNI pairs, in blocks of at most 64 columns (the
-// widest oneDNN takes): block n0 / 64 holds [K/2][nb][2] at B + n0 * K.
+// C[M][N] (+)= A[M][K] B[K][N], A and C row-major; a float32 B row-major
+// [K][N], a bf16 B in VNNI pairs [K/2][N][2]: one brgemm call either way.
 template <typename T>
 void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, float* C, int64_t ldc, bool add) {
   if constexpr (std::is_same_v<T, float>) {
     at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, false);
   } else {
-    for (int64_t n0 = 0; n0 < N; n0 += 64) {
-      const int64_t nb = std::min<int64_t>(64, N - n0);
-      at::native::cpublas::brgemm(M, nb, K, lda, nb, ldc, add, A, B + n0 * K, C + n0, true);
-    }
+    at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, true);
   }
 }
 
@@ -340,25 +336,23 @@ inline void transpose16(__m512i* r) {
 
 // A KV tile's K^T as `product`'s B operand [D][TKB]: the rows of tokens
 // [0, n) at `off` (zeros past n), read as 32-bit words (a float32, or a
-// bf16 pair along d, which is VNNI's pairing), each word's column of tokens
-// contiguous in a block of NB tokens. AVX-512 transposes 16 tokens x 16
-// words in registers; one scalar store per word was a fifth of a bf16 tile.
+// bf16 pair along d, which is VNNI's pairing), each word's column of TKB
+// tokens contiguous. AVX-512 transposes 16 tokens x 16 words in registers;
+// one scalar store per word was a fifth of a bf16 tile.
 template <typename T, int D>
 void gather_k(const T* kc, const int64_t* off, int n, T* out) {
   constexpr int WORDS = D * sizeof(T) / 4;  // per token row
-  constexpr int NB = std::is_same_v<T, float> ? TKB : 64;
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
 #if defined(__AVX512F__)
   if constexpr (WORDS % 16 == 0) {
     for (int t0 = 0; t0 < TKB; t0 += 16) {
-      uint32_t* block = o + (t0 / NB) * WORDS * NB + t0 % NB;
       for (int w0 = 0; w0 < WORDS; w0 += 16) {
         __m512i r[16];
         for (int i = 0; i < 16; ++i)
           r[i] = t0 + i < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(kc + off[t0 + i]) + w0)
                             : _mm512_setzero_si512();
         transpose16(r);
-        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(block + (w0 + j) * NB, r[j]);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(o + (w0 + j) * TKB + t0, r[j]);
       }
     }
     return;
@@ -366,8 +360,7 @@ void gather_k(const T* kc, const int64_t* off, int n, T* out) {
 #endif
   for (int t = 0; t < TKB; ++t) {
     const uint32_t* row = reinterpret_cast<const uint32_t*>(kc + off[std::min(t, n - 1)]);
-    uint32_t* col = o + (t / NB) * WORDS * NB + t % NB;
-    for (int w = 0; w < WORDS; ++w) col[w * NB] = t < n ? row[w] : 0u;
+    for (int w = 0; w < WORDS; ++w) o[w * TKB + t] = t < n ? row[w] : 0u;
   }
 }
 
@@ -379,12 +372,11 @@ void gather_v(const T* vc, const int64_t* off, int n, T* out) {
     for (int t = 0; t < n; ++t) std::copy_n(vc + off[t], D, out + t * D);
     std::fill(out + n * D, out + TKB * D, 0.f);
   } else {
-    constexpr int NB = std::min(D, 64);  // columns per VNNI block
     const uint16_t zero[D] = {};
     for (int t = 0; t < TKB; t += 2) {
       const uint16_t* a = t < n ? reinterpret_cast<const uint16_t*>(vc + off[t]) : zero;
       const uint16_t* b = t + 1 < n ? reinterpret_cast<const uint16_t*>(vc + off[t + 1]) : zero;
-      uint32_t* o = reinterpret_cast<uint32_t*>(out) + (t / 2) * NB;
+      uint32_t* o = reinterpret_cast<uint32_t*>(out) + (t / 2) * D;
 #if defined(__AVX512F__)
       if constexpr (D % 32 == 0) {
         const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
@@ -392,15 +384,14 @@ void gather_v(const T* vc, const int64_t* off, int n, T* out) {
         const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
         for (int d = 0; d < D; d += 32) {
           const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
-          uint32_t* dst = o + (d / NB) * (TKB / 2) * NB + d % NB;
-          _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(x, lo, y));
-          _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(x, hi, y));
+          _mm512_storeu_si512(o + d, _mm512_permutex2var_epi16(x, lo, y));
+          _mm512_storeu_si512(o + d + 16, _mm512_permutex2var_epi16(x, hi, y));
         }
         continue;
       }
 #endif
       for (int d = 0; d < D; ++d)
-        o[(d / NB) * (TKB / 2) * NB + d % NB] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+        o[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
     }
   }
 }
