@@ -224,6 +224,8 @@ def replica_backend(
         sim_time_scale=args.sim_time_scale,
         model=args.model,
         dtype=args.dtype,
+        compute=args.compute,
+        kv_dtype=args.kv_dtype,
         device=args.device,
         threads=args.threads or 1,
         kv_cache_gib=args.kv_cache_gib,

@@ -78,7 +78,15 @@ def build(spec: ReplicaSpec) -> Engine:
         return engine
     from core.build import ModelSettings, build_engine
 
-    settings = ModelSettings(spec.model, spec.dtype, spec.device, spec.threads, spec.kv_cache_gib)
+    settings = ModelSettings(
+        spec.model,
+        spec.dtype,
+        spec.device,
+        spec.threads,
+        spec.kv_cache_gib,
+        compute=spec.compute,
+        kv_dtype=spec.kv_dtype,
+    )
     engine, _ = build_engine(settings, spec.scheduler)
     return engine
 

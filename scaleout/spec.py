@@ -19,6 +19,8 @@ class ReplicaSpec:
     sim_read_context: bool = False  # sampled tokens hash the KV read back (tests of KV transfer)
     model: str | None = None
     dtype: str = "auto"
+    compute: str = "float"  # --compute
+    kv_dtype: str = "auto"  # --kv-dtype
     device: str = "auto"
     threads: int = 1  # torch threads per replica
     kv_cache_gib: float = 2.0

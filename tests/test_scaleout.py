@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 import ray
+import torch
 from openai import OpenAI
 from websockets.asyncio.client import connect
 
@@ -268,3 +269,14 @@ async def test_a_second_gateway_with_api_keys_shares_the_replicas(cluster):
         server.should_exit = True
         await asyncio.to_thread(thread.join, 15)
     assert cluster.wait_kv_baseline() == dict.fromkeys(BOARD.stats, 0)
+
+
+def test_a_replica_builds_its_model_with_the_serve_flags():
+    """--compute and --kv-dtype reach each replica's engine, not only a local one."""
+    from core.sched.config import SchedulerConfig
+    from scaleout.replica import build
+    from scaleout.spec import ReplicaSpec
+
+    engine = build(ReplicaSpec(SchedulerConfig(), model="tiny", dtype="fp32", kv_dtype="bf16", kv_cache_gib=0.01))
+    assert engine.runner.k_cache.dtype == engine.runner.v_cache.dtype == torch.bfloat16
+    assert engine.runner.dtype == torch.float32
