@@ -42,20 +42,11 @@ constexpr int REGS = 16;  // ymm0-15
 // vector fewer times: on AVX-512, 32 registers hold 14 rows where AVX2's 16 hold 6.
 constexpr int tile_rows(int extra) { return (REGS - 3 - extra) / 2; }
 
-// Ask for `bytes` from p into L2: the next column block's weights, fetched
-// while this one computes (otherwise each block's first pass waits on DRAM).
-inline void fetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-}
-
-// One column block's weights for one k, as two float32 vectors; `ahead`
-// fetches a block's weights for k in [kb * QK, kb * QK + QK).
+// One column block's weights for one k, as two float32 vectors.
 struct Bf16 {
   static constexpr int MT = tile_rows(0);
   const c10::BFloat16* w;
   int64_t K;
-  void ahead(int64_t blk, int64_t kb) const { fetch(w + (blk * K + kb * QK) * B, QK * B * 2); }
   void begin(int64_t, int64_t) {}
   void at(int64_t blk, int64_t k, vf& w0, vf& w1) const {
     const c10::BFloat16* p = w + (blk * K + k) * B;
@@ -69,10 +60,6 @@ struct Q8_0 {
   const int8_t* q;
   int64_t K;
   vf d0, d1;
-  void ahead(int64_t blk, int64_t kb) const {
-    fetch(d + (blk * (K / QK) + kb) * B, B * 4);
-    fetch(q + (blk * K + kb * QK) * B, QK * B);
-  }
   void begin(int64_t blk, int64_t kb) {
     const float* p = d + (blk * (K / QK) + kb) * B;
     d0 = load(p), d1 = load(p + W);
@@ -90,11 +77,6 @@ struct Q4_1 {
   const uint8_t* q;
   int64_t K;
   vf d0, d1, m0, m1;
-  void ahead(int64_t blk, int64_t kb) const {
-    const int64_t o = (blk * (K / QK) + kb) * B;
-    fetch(d + o, B * 4), fetch(m + o, B * 4);
-    fetch(q + (blk * K + kb * QK) * W, QK * W);
-  }
   void begin(int64_t blk, int64_t kb) {
     const int64_t o = (blk * (K / QK) + kb) * B;
     d0 = load(d + o), d1 = load(d + o + W), m0 = load(m + o), m1 = load(m + o + W);
@@ -108,9 +90,9 @@ struct Q4_1 {
 
 // y[rows, blk*B : blk*B+B] (+)= x[rows, k0:k1] W[k0:k1, block] for `rows` (<= MT)
 // rows of x: `add` accumulates onto y (a later slice of K), else starts from
-// the bias. With `next`, fetch block blk + 1's weights meanwhile.
+// the bias.
 template <int R, typename F>
-void tile(F f, int64_t blk, bool next, const float* x, int64_t K, int64_t k0, int64_t k1, bool add,
+void tile(F f, int64_t blk, const float* x, int64_t K, int64_t k0, int64_t k1, bool add,
           const float* bias, float* y, int64_t N) {
   float* yb = y + blk * B;
   vf acc[R][2];
@@ -120,7 +102,6 @@ void tile(F f, int64_t blk, bool next, const float* x, int64_t K, int64_t k0, in
     acc[r][1] = add ? load(yb + r * N + W) : b1;
   }
   for (int64_t kb = k0; kb < k1; kb += QK) {
-    if (next) f.ahead(blk + 1, kb / QK);
     f.begin(blk, kb / QK);
     for (int64_t k = kb; k < kb + QK; ++k) {
       vf w0, w1;
@@ -147,13 +128,13 @@ constexpr auto tiles_of(std::index_sequence<R...>) {
 // equal as can be: a short tile costs nearly as much as a full one (32 rows
 // with MT = 14 run as 11, 11, 10, not 14, 14, 4).
 template <typename F>
-void rows(F f, int64_t blk, bool next, int64_t M, const float* x, int64_t K, int64_t k0, int64_t k1, bool add,
+void rows(F f, int64_t blk, int64_t M, const float* x, int64_t K, int64_t k0, int64_t k1, bool add,
           const float* bias, float* y, int64_t N) {
   static constexpr auto tiles = tiles_of<F>(std::make_index_sequence<F::MT>{});
   const int64_t count = (M + F::MT - 1) / F::MT;
   for (int64_t t = 0, r = 0; t < count; ++t) {
     const int64_t n = (M - r + count - t - 1) / (count - t);
-    tiles[n - 1](f, blk, next && t == 0, x + r * K, K, k0, k1, add, bias, y + r * N, N);
+    tiles[n - 1](f, blk, x + r * K, K, k0, k1, add, bias, y + r * N, N);
     r += n;
   }
 }
@@ -164,7 +145,6 @@ struct F32 {
   static constexpr int MT = tile_rows(0);
   const float* w;
   int64_t k0;  // the slice's first k
-  void ahead(int64_t, int64_t) const {}
   void begin(int64_t, int64_t) {}
   void at(int64_t, int64_t k, vf& w0, vf& w1) const { w0 = load(w + (k - k0) * B), w1 = load(w + (k - k0) * B + W); }
 };
@@ -190,15 +170,13 @@ at::Tensor run(F f, const at::Tensor& x, int64_t N, const c10::optional<at::Tens
     const bool widen_once = M > 2 * F::MT;
     std::vector<float> scratch(widen_once ? KC * B : 0);
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const bool next = blk + 1 < N / B;
       if (!widen_once) {
-        rows(g, blk, next, M, xp, K, 0, K, false, bp, yp, N);
+        rows(g, blk, M, xp, K, 0, K, false, bp, yp, N);
         continue;
       }
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         for (int64_t kb = k0; kb < k1; kb += QK) {
-          if (next) g.ahead(blk + 1, kb / QK);
           g.begin(blk, kb / QK);
           for (int64_t k = kb; k < kb + QK; ++k) {
             vf w0, w1;
@@ -206,7 +184,7 @@ at::Tensor run(F f, const at::Tensor& x, int64_t N, const c10::optional<at::Tens
             store(&scratch[(k - k0) * B], w0), store(&scratch[(k - k0) * B + W], w1);
           }
         }
-        rows(F32{scratch.data(), k0}, blk, false, M, xp, K, k0, k1, k0 > 0, bp, yp, N);
+        rows(F32{scratch.data(), k0}, blk, M, xp, K, k0, k1, k0 > 0, bp, yp, N);
       }
     }
   });
