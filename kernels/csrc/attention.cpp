@@ -337,8 +337,8 @@ inline void transpose16(__m512i* r) {
 // A KV tile's K^T as `product`'s B operand [D][TKB]: the rows of tokens
 // [0, n) at `off` (zeros past n), read as 32-bit words (a float32, or a
 // bf16 pair along d, which is VNNI's pairing), each word's column of TKB
-// tokens contiguous. AVX-512 transposes 16 tokens x 16 words in registers;
-// one scalar store per word was a fifth of a bf16 tile.
+// tokens contiguous. AVX-512 transposes 16 tokens x 16 words in registers
+// (64 shuffles) rather than storing each word alone.
 template <typename T, int D>
 void gather_k(const T* kc, const int64_t* off, int n, T* out) {
   constexpr int WORDS = D * sizeof(T) / 4;  // per token row
@@ -390,8 +390,7 @@ void gather_v(const T* vc, const int64_t* off, int n, T* out) {
         continue;
       }
 #endif
-      for (int d = 0; d < D; ++d)
-        o[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+      for (int d = 0; d < D; ++d) o[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
     }
   }
 }
