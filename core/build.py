@@ -59,7 +59,7 @@ def load_runner(settings: ModelSettings) -> ModelRunner:
         if settings.dtype not in ("auto", "fp32", "float32"):
             raise ValueError("--compute int8 runs float32 activations: use --dtype auto or fp32")
         dtype = torch.float32
-    kv_dtype = dtype if settings.kv_dtype == "auto" else resolve_dtype(settings.kv_dtype, device)
+    kv_dtype = dtype if settings.kv_dtype == "auto" else resolve_dtype(settings.kv_dtype, device, "--kv-dtype")
     if kv_dtype not in (dtype, torch.bfloat16):
         raise ValueError(f"--kv-dtype {settings.kv_dtype}: the KV cache holds the compute dtype ({dtype}) or bf16")
     num_blocks = kv_blocks_for(loaded, int(settings.kv_cache_gib * 2**30), settings.block_size, kv_dtype)

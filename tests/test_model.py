@@ -139,6 +139,8 @@ def test_a_bf16_kv_cache_under_float32_compute(tiny_model):
 def test_kv_dtype_is_the_compute_dtype_or_bf16():
     with pytest.raises(ValueError, match="--kv-dtype fp16"):
         load_runner(ModelSettings("tiny", dtype="fp32", kv_dtype="fp16"))
+    with pytest.raises(ValueError, match="--kv-dtype fp7: unknown dtype"):
+        load_runner(ModelSettings("tiny", dtype="fp32", kv_dtype="fp7"))
 
 
 def greedy(tiny_model, dtype=torch.float32, **sched):

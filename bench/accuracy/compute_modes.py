@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.accuracy.greedy_agreement import PROMPTS, greedy
+from bench.accuracy.greedy_agreement import PROMPTS, agreement, greedy
 from bench.record import dated, describe, machine, table
 from core.model.loader import LoadedModel, load_model
 from core.model.model_runner import ModelRunner
@@ -92,9 +92,7 @@ def main() -> None:
         print(f"{mode}: perplexity {ppl:.4f} over {scored} tokens", file=sys.stderr, flush=True)
     truth = results["float32"]["outputs"]
     for r in results.values():
-        r["identical_sequences"] = sum(a == b for a, b in zip(r["outputs"], truth, strict=True))
-        pairs = zip(r["outputs"], truth, strict=True)
-        r["equal_positions"] = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
+        r.update(agreement(r["outputs"], truth))
     m = machine()
     command = f"python -m bench.accuracy.compute_modes {' '.join(sys.argv[1:])}".strip()
     base = dated("compute_modes")

@@ -48,6 +48,15 @@ def greedy(runner: ModelRunner, prompt: list[int], steps: int, token_budget: int
     return list(req.output_token_ids)
 
 
+def agreement(outputs: list[list[int]], truth: list[list[int]]) -> dict[str, int]:
+    """How many greedy sequences equal the truth's, and how many token positions."""
+    pairs = list(zip(outputs, truth, strict=True))
+    return {
+        "identical_sequences": sum(a == b for a, b in pairs),
+        "equal_positions": sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True)),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32)
@@ -66,16 +75,7 @@ def main() -> None:
                     greedy(runner, p, args.tokens) for p in prompts
                 ]
     truth = outputs["float32 reference"]
-    rows = []
-    for name, outs in outputs.items():
-        positions = sum(a == b for x, y in zip(outs, truth, strict=True) for a, b in zip(x, y, strict=True))
-        rows.append(
-            {
-                "path": name,
-                "identical_sequences": sum(x == y for x, y in zip(outs, truth, strict=True)),
-                "equal_positions": positions,
-            }
-        )
+    rows = [{"path": name, **agreement(outs, truth)} for name, outs in outputs.items()]
     m = machine()
     command = f"python -m bench.accuracy.greedy_agreement {' '.join(sys.argv[1:])}".strip()
     base = dated("greedy_agreement")

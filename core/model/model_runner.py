@@ -30,7 +30,7 @@ def cpu_has_fast_bf16() -> bool:
     return any(flag in flags for flag in _BF16_FLAGS)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, flag: str = "--dtype") -> torch.dtype:
     """``auto``: bf16 on CUDA or a CPU with fast bf16, else fp32."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
@@ -43,7 +43,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         "fp16": torch.float16,
     }
     if name not in dtypes:
-        raise ValueError(f"unknown dtype {name!r} (auto, bfloat16, float32, float16)")
+        raise ValueError(f"{flag} {name}: unknown dtype (auto, bfloat16, float32, float16)")
     return dtypes[name]
 
 
