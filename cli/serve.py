@@ -36,6 +36,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gw = sv.add_argument_group("gateway")
     gw.add_argument("--api-key", action="append", help="require this key (repeatable; also STALLFREE_API_KEYS)")
     gw.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="one prefix cache for all API keys (only when they are one tenant; default: each key hits only its own)",
+    )
+    gw.add_argument(
         "--allowed-origin",
         action="append",
         help="browser origin allowed to use the API and sockets, e.g. http://myhost:8000 (repeatable; "
@@ -100,6 +105,7 @@ def run(args: argparse.Namespace) -> None:
         key_token_rate=args.key_token_rate,
         slow_consumer_s=args.slow_consumer_s,
         api_keys=keys,
+        share_prefix_cache=args.share_prefix_cache,
         allowed_origins=tuple(args.allowed_origin or ()),
         host_names=() if args.host in WILDCARD_HOSTS else (args.host,),
         drain_timeout_s=args.drain_timeout_s,
@@ -125,6 +131,7 @@ def run(args: argparse.Namespace) -> None:
     client = EngineClient(backend, tokenizer, settings, tracing, log_text=args.log_text)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
     server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
+    facts["share_prefix_cache"] = settings.share_prefix_cache
     log_startup(client, api_keys=len(keys), host=args.host, port=args.port, **facts)
     # Startup objects (tokenizer tables, model config, modules) move out of the
     # collector's way: full collections over them stalled token delivery.

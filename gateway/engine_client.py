@@ -158,6 +158,7 @@ class EngineClient:
             if i and sampling.seed is not None:  # the same seed would draw the same tokens n times
                 choice_sampling = dataclasses.replace(sampling, seed=hash((sampling.seed, i)) & (2**63 - 1))
             request = Request(choice_id, ids, choice_sampling, arrival_ns, req.priority, req.tenant)
+            request.cache_salt = "" if self.settings.share_prefix_cache else req.tenant  # each key hits its own blocks
             request.prefill_after = request_id if i else None
             try:
                 streams.append(self._queue(request, req))

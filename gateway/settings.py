@@ -28,6 +28,11 @@ class GatewaySettings:
     slow_consumer_s: float = 30.0  # a stream with unread tokens this old is cancelled (slow_consumer)
     # security
     api_keys: tuple[str, ...] = ()
+    # one prefix cache for every API key. Off: each key's prompts hit only its own
+    # cached blocks (Request.cache_salt), else a key could recover another key's
+    # prompt block by block from cached_tokens or the time to first token. Turn
+    # it on only when all keys belong to one tenant.
+    share_prefix_cache: bool = False
     auth_timeout_s: float = 10.0  # with keys set, a socket without one is closed after this
     # browser origins allowed to open sockets and send POST/PUT; empty: localhost and host_names only
     allowed_origins: tuple[str, ...] = ()

@@ -188,6 +188,7 @@ class RemoteEngine:
         """The prompt's KV computed on a prefill replica (another one if that one dies)."""
         assert self.prefill is not None
         head = Request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_ns, req.priority, req.tenant)
+        head.cache_salt = req.cache_salt  # the prefill replica's prefix cache keeps the tenant's scope too
         job = Job(head, self.ingress, self.config, self.config_version, self.traceparent(req.request_id))
         attempts = 0
         while True:

@@ -60,8 +60,8 @@ class StallfreeRequestRouter(RequestRouter):
             name = board.placed[head]
         else:
             stats = [board.stats.get(n) or ReplicaStats(n) for n in by_name]
-            tokens = call.request.prompt_token_ids
-            name = self.policy.choose(Prompt(len(tokens), prompt_hashes(tokens, stats[0].block_size)), stats)
+            tokens, salt = call.request.prompt_token_ids, call.request.cache_salt
+            name = self.policy.choose(Prompt(len(tokens), prompt_hashes(tokens, stats[0].block_size, salt)), stats)
         board.place(call.request.request_id, name)
         chosen = by_name[name]
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]

@@ -51,6 +51,27 @@ def test_hash_chain_depends_on_parent():
     assert b.num_computed_tokens == 0
 
 
+def salted(rid: str, prompt: list[int], cache_salt: str, tenant: str = ""):
+    req = request(rid, list(prompt))
+    req.cache_salt, req.tenant = cache_salt, tenant
+    return req
+
+
+def test_prefix_hits_stay_within_one_cache_salt():
+    """Another tenant's hit would tell it the prompt, block by block: the salt scopes the cache."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(300, 310))  # 2 full blocks + 2 tokens
+    compute_all(bm, admitted(bm, salted("a", prompt, "key-1", "key-1")))
+    b = salted("b", prompt, "key-2", "key-2")
+    assert bm.cached_prefix_tokens(b) == 0  # what the lpm policy sees too
+    assert admitted(bm, b).num_computed_tokens == 0
+    assert admitted(bm, salted("u", prompt, "")).num_computed_tokens == 0  # nor unsalted
+    assert admitted(bm, salted("a2", prompt, "key-1", "key-1")).num_computed_tokens == 8  # the same tenant hits
+    # a shared cache (share_prefix_cache: no salt) serves every tenant
+    compute_all(bm, admitted(bm, salted("x", [1, *prompt], "", "key-1")))
+    assert admitted(bm, salted("y", [1, *prompt], "", "key-2")).num_computed_tokens == 8
+
+
 def test_freed_cached_blocks_are_reusable_until_evicted_lru():
     bm = BlockManager(num_blocks=6, block_size=2)
     a = admitted(bm, request("a", [1, 2, 3, 4, 5]))  # blocks: [1,2] [3,4] [5]

@@ -239,6 +239,31 @@ def test_api_keys_on_http():
         srv.stop()
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_prefix_cache_is_per_api_key_unless_shared(share):
+    """Key 2 must not learn from cached_tokens (or TTFT) that key 1 sent a prompt."""
+    srv = sim_server(settings=GatewaySettings(api_keys=("k1", "k2"), share_prefix_cache=share))
+    try:
+        body = {"prompt": "The password of the vault is 7d2f-91ac, keep it. " * 12, "max_tokens": 2}
+
+        def cached(key: str) -> tuple[int, int]:
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+        assert cached("k1")[0] == 0
+        other, prompt_tokens = cached("k2")
+        assert prompt_tokens > 64
+        if share:
+            assert other >= prompt_tokens - 16
+        else:
+            assert other == 0  # a wrong guess and a right one look the same
+        assert cached("k1")[0] >= prompt_tokens - 16  # the same key hits its own prompt
+    finally:
+        srv.stop()
+
+
 @pytest.mark.slow
 async def test_graceful_shutdown_finishes_or_cancels_in_flight_streams():
     srv = sim_server(time_scale=0.05, settings=GatewaySettings(drain_timeout_s=0.5))

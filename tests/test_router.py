@@ -49,6 +49,17 @@ def test_the_router_hashes_a_prompt_as_the_prefix_cache_does() -> None:
     assert engine.kv.num_used_blocks == 0
 
 
+def test_the_router_hashes_a_salted_prompt_as_the_prefix_cache_does() -> None:
+    engine = _engine()
+    prompt = list(range(100, 150))
+    engine.add_request(Request("a", prompt, SamplingParams(max_tokens=1), 0, cache_salt="key-1"))
+    _run(engine)
+    stats = engine_stats("r0", engine)
+    assert stats.matched_blocks(prompt_hashes(prompt, BS, "key-1")) == 3
+    assert stats.matched_blocks(prompt_hashes(prompt, BS, "key-2")) == 0  # another tenant's prompt: no hit predicted
+    assert stats.matched_blocks(prompt_hashes(prompt, BS)) == 0
+
+
 def test_stats_count_queued_prompts_blocks_and_only_their_uncached_tokens() -> None:
     engine = _engine()
     shared = list(range(1000, 1064))  # 4 blocks

@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, KeysView, Sequence
 from dataclasses import dataclass, field
 
-from core.sched.block_manager import chain_hash
+from core.sched.block_manager import chain_hash, chain_root
 from core.sched.engine import Engine
 from core.sched.request import RequestStatus
 
 
-def prompt_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """Hashes of the prompt's full blocks, in order: the chain the prefix cache keys on."""
-    out, parent = [], b""
+def prompt_hashes(tokens: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """Hashes of the prompt's full blocks, in order: the chain the prefix cache
+    keys on (for a request with this ``cache_salt``)."""
+    out, parent = [], chain_root(cache_salt)
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = chain_hash(parent, list(tokens[start : start + block_size]))
         out.append(parent)

@@ -3,9 +3,11 @@
 Blocks hold ``block_size`` tokens of KV each. A request's ``block_ids`` is its
 block table. Full blocks are keyed by a hash chain (parent hash + the block's
 tokens); a new request whose prompt starts with the same full blocks reuses
-them instead of recomputing (a *prefix hit*). Freed blocks that carry a hash
-stay reusable until evicted, least recently freed first; blocks without a hash
-are handed out before any cached block is evicted.
+them instead of recomputing (a *prefix hit*). The chain starts from the
+request's ``cache_salt`` (``chain_root``): requests with different salts (the
+gateway's tenants, by default) never hit each other's blocks. Freed blocks
+that carry a hash stay reusable until evicted, least recently freed first;
+blocks without a hash are handed out before any cached block is evicted.
 
 Admission reserves a request's *final* footprint (its tokens plus a decode
 reserve), so a prompt admitted now can finish its prefill without anybody
@@ -65,6 +67,15 @@ class Block:
     hash: bytes | None = None
 
 
+def chain_root(cache_salt: str) -> bytes:
+    """The parent of a request's first block: ``b""`` without a salt, else a
+    16-byte digest of it. As in vLLM's ``cache_salt``: a prefix hit, and the
+    time it saves, would tell one tenant which prompt another sent."""
+    if not cache_salt:
+        return b""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"stallfree-salt").digest()
+
+
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     """Hash of a full block given its parent's hash.
 
@@ -120,7 +131,7 @@ class BlockManager:
         bs = self.block_size
         hashes = req.block_hashes
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else b""
+            parent = hashes[i - 1] if i else chain_root(req.cache_salt)
             hashes.append(chain_hash(parent, req.tokens(i * bs, (i + 1) * bs)))
 
     def _matched_blocks(self, req: Request) -> list[int]:

@@ -136,6 +136,9 @@ class Request:
     arrival_ns: int
     priority: int = 0  # lower runs earlier, as in vLLM
     tenant: str = ""  # who pays: the API key's id (the fair policy shares the engine between tenants)
+    # the prefix cache's scope: prompts hit only blocks cached under the same salt
+    # (the gateway sets the tenant unless GatewaySettings.share_prefix_cache)
+    cache_salt: str = ""
     # another choice of the same prompt (OpenAI's n > 1): admitted once that one's
     # prompt is computed, onto its blocks (BlockManager.share), not computing it again
     prefill_after: str | None = None
