@@ -12,7 +12,19 @@ process at its file limit. Here, before the parser sees a byte:
   gets 408 and is closed;
 - open connections (HTTP and WebSocket) are capped in all and per client
   address: over either, a 503 and the connection closes at once, so the
-  process keeps the file descriptors it needs to serve everyone else.
+  process keeps the file descriptors it needs to serve everyone else;
+- pipelined requests are answered in order, at most ``MAX_PIPELINED`` waiting
+  behind the running one: the parser stops at the next one, reading stays
+  paused, and the connection closes after the last answer (a client may
+  retry the rest; each waiting request was an object, and 29,000 of them per
+  write grew the process by 1.6 GB);
+- what a request sends after its head that is not body (chunk-size lines,
+  chunk extensions, trailers) is capped like a head: a run of it over
+  ``max_header_bytes`` with no body byte between is refused (431) and closed;
+- a response sent before its request's body was read whole (a 408 for a body
+  that trickled, a ``/healthz`` that ignored its ``Content-Length``) ends the
+  connection: what follows on the wire is the rest of that body, and each
+  trickled byte used to cancel the keep-alive timer for good.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.settings import GatewaySettings
 
 LINGER_S = 2.0  # a refused connection's unread input is drained this long before the close
+MAX_PIPELINED = 16  # requests parsed and waiting behind the one running, per connection
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
@@ -47,6 +60,10 @@ class _Refused(httptools.HttpParserError):
     """Raised in a parser callback to stop parsing; the response is the protocol's refusal."""
 
 
+class _PipelineFull(httptools.HttpParserError):
+    """Raised in a parser callback to stop parsing at a request the pipeline has no room for."""
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     config: GatewayConfig
 
@@ -57,7 +74,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._num_headers = 0
         self._in_head = True
         self._tail = b""  # the last bytes read, for a head's end split across two reads
+        self._framing = 0  # bytes read after a head with no body byte among them (chunk lines, trailers)
         self._refusal: tuple[int, str] | None = None
+        self._pipeline_full = False  # the parser stopped: answer what is queued, then close
+        self._held, self._held_at = b"", 0  # read and not yet fed to the parser (the pipeline was full)
+        self._body_left: int | None = None  # of a Content-Length body being read
+        self._waiting_for_room = False  # reading paused until the pipeline has room
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(s.header_timeout_s, self._head_timed_out)
         host = self.client[0] if self.client else None
         if len(self.connections) > s.max_connections:
@@ -70,18 +92,78 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None:
+        if self._refusal is not None or self._pipeline_full:
             return
+        self._held = self._held[self._held_at :] + data if self._held_at < len(self._held) else data
+        self._held_at = 0
+        self._take_held()
+
+    def _take_held(self) -> None:
+        """Feed what was read, one request head (or known-length body) at a time,
+        stopping while the pipeline is full: the parser itself cannot pause."""
+        held = self._held
+        while self._held_at < len(held) and self._refusal is None and not self._pipeline_full:
+            if self._in_head and self._running() and len(self.pipeline) >= MAX_PIPELINED:
+                self._waiting_for_room = True  # an answer makes room and feeds the rest (on_response_complete)
+                self.flow.pause_reading()
+                return
+            at = self._held_at
+            if self._in_head:  # up to the head's end, which may have begun in the last piece
+                split = (self._tail + held[at : at + 4]).find(b"\r\n\r\n")
+                found = held.find(b"\r\n\r\n", at)
+                if split >= 0:
+                    n = split + 4 - len(self._tail)
+                elif found >= 0:
+                    n = found + 4 - at
+                else:
+                    n = len(held) - at
+            elif self._body_left:
+                n = min(self._body_left, len(held) - at)
+            else:
+                n = len(held) - at
+            self._held_at = at + n
+            self._take(memoryview(held)[at : at + n])
+        self._held, self._held_at = b"", 0
+        if self._waiting_for_room:
+            self._waiting_for_room = False
+            self.flow.resume_reading()
+
+    def _take(self, data: memoryview) -> None:
+        if self._in_head and self._head_timer is None:  # bytes between requests: the next head's clock starts
+            self._head_timer = self.loop.call_later(self.config.settings.header_timeout_s, self._head_timed_out)
         if self._in_head:
-            # a head that does not end in this read counts whole; one that does is
+            # a head that does not end in this piece counts whole; one that does is
             # let through, so a head is cut within the cap plus one read (64 KiB)
-            if (self._tail + data).find(b"\r\n\r\n") < 0:
+            if (self._tail + bytes(data)).find(b"\r\n\r\n") < 0:
                 self._head_bytes += len(data)
                 if self._head_bytes > self.config.settings.max_header_bytes:
                     self._refuse(431, f"request line and headers over {self.config.settings.max_header_bytes} bytes")
                     return
-            self._tail = data[-3:]
-        super().data_received(data)
+            self._tail = bytes(data[-3:])
+        else:
+            self._framing += len(data)  # on_body sets it back; what is left counts
+        self._feed(data)
+        if not self._in_head and self._framing > self.config.settings.max_header_bytes and self._refusal is None:
+            limit = self.config.settings.max_header_bytes
+            self._refuse(431, f"chunk lines, extensions and trailers over {limit} bytes with no body between")
+
+    def _running(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _feed(self, data: memoryview) -> None:
+        """uvicorn's data_received, less its warning for a parser we stopped on purpose."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError:
+            if not self._pipeline_full and self._refusal is None:
+                self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
 
     # parser callbacks
     def on_message_begin(self) -> None:
@@ -100,14 +182,55 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._framing = 0
+        self._tail = b""
+        self._body_left = _content_length(self.headers)
         self._stop_head_timer()
+        running = self.cycle is not None and not self.cycle.response_complete
+        if running and len(self.pipeline) >= MAX_PIPELINED:
+            self._pipeline_full = True
+            raise _PipelineFull
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._framing = 0
+        if self._body_left is not None:
+            self._body_left -= len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head = True  # what comes next on this connection is another request's head
+        self._framing = 0
+        self._body_left = None
+
+    def on_response_complete(self) -> None:
+        """Reading resumes only once nothing waits (uvicorn resumed it after
+        every answer, so a client that pipelines forever was read forever);
+        a request whose body was not read whole ends the connection."""
+        unread_body = not self.pipeline and self.cycle is not None and self.cycle.more_body
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if unread_body:
+            self._stop_head_timer()
+            self._unset_keepalive_if_required()
+            self._linger_close()
+        elif self._pipeline_full:
+            self.flow.pause_reading()
+            if not self.pipeline and self.cycle.response_complete:
+                self.transport.close()  # the last queued answer is out; the rest was never read
+        elif self._waiting_for_room or self.pipeline:
+            self.flow.pause_reading()  # uvicorn resumed it; what was read and held comes first
+            if self._waiting_for_room:
+                self.loop.call_soon(self._take_held)
 
     def send_400_response(self, msg: str) -> None:
+        if self._pipeline_full:  # not an error: what is queued is answered, then the connection closes
+            self.flow.pause_reading()
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+            return
         if self._refusal is not None:  # a limit stopped the parser: say which
             status, message = self._refusal
             self._refusal = None
@@ -134,15 +257,36 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         connection, and the reset can destroy the 431 before the client reads it)."""
         self._refusal = (status, message)
         self._stop_head_timer()
+        if self._running() and self.cycle.response_started:  # an answer is on its way: close after it
+            self.cycle.keep_alive = False
+            return
         code = {408: "timeout", 431: "invalid_request", 503: "unavailable"}[status]
         body = orjson.dumps({"error": {"message": message, "type": code, "code": code}})
         head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
         self.transport.write(head % (status, REASONS[status], len(body)) + body)
-        if status == 431 and self.transport.can_write_eof():  # a client cut mid-send; others close at once
+        if status == 431:  # a client cut mid-send; others close at once
+            self._linger_close()
+        else:
+            self.transport.close()
+
+    def _linger_close(self) -> None:
+        """Shut our end, drop what the client still sends, close after LINGER_S."""
+        if self.transport.can_write_eof():
             self.transport.write_eof()
             self.loop.call_later(LINGER_S, self.transport.close)
         else:
             self.transport.close()
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """A body's declared length (the parser has checked it), None when chunked."""
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value)
+    return 0
 
 
 def _count(connections: set[Any], host: str) -> int:
@@ -165,6 +309,7 @@ def raise_file_limit() -> tuple[int, int]:
 UNACKED_BYTES = "stallfree.unacked_bytes"  # scope extension: () -> bytes sent the client has not taken
 OPEN_GENERATIONS = "stallfree.open_generations"  # scope extension: the socket's running generations, by id
 SEND_FRAMES = "stallfree.send_frames"  # scope extension: async (list of text frames) -> one write to the socket
+AUTHENTICATED = "stallfree.authenticated"  # scope extension: () -> None, the socket's key is known: full-size frames
 
 
 def unacked_bytes(transport: asyncio.BaseTransport) -> int:

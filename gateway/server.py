@@ -20,24 +20,82 @@ import structlog
 import uvicorn
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import PayloadTooBig, WebSocketException
 from websockets.frames import CloseCode, Frame, Opcode
 from websockets.protocol import State
+from websockets.server import ServerProtocol
 
 from gateway.app import create_app
-from gateway.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES, GatewayConfig, unacked_bytes
+from gateway.connections import (
+    AUTHENTICATED,
+    OPEN_GENERATIONS,
+    SEND_FRAMES,
+    UNACKED_BYTES,
+    GatewayConfig,
+    unacked_bytes,
+)
 from gateway.engine_client import EngineClient
 
 log = structlog.get_logger(__name__)
 
+AUTH_FRAME_BYTES = 4096  # the largest message a keyed socket reads before its key: an auth frame's worth
+MAX_FRAGMENTS = 1024  # frames in one fragmented message
+
+
+class _TooManyFragments(PayloadTooBig):
+    """A message in more frames than MAX_FRAGMENTS: closed as too big (1009)."""
+
+    def __init__(self) -> None:
+        WebSocketException.__init__(self)
+        self.message = f"a message in more than {MAX_FRAGMENTS} fragments"
+        self.size, self.max_size, self.current_size = None, 0, None
+
+
+class _FrameLimits(ServerProtocol):
+    """websockets' server protocol with a cap on a message's fragments: empty
+    continuation frames never reach the size cap, and 5 million of them cost
+    23 s of the event loop's CPU."""
+
+    fragments = 0
+
+    def recv_frame(self, frame: Frame) -> None:
+        if frame.opcode is Opcode.CONT:
+            self.fragments += 1
+            if self.fragments > MAX_FRAGMENTS:
+                raise _TooManyFragments
+        elif frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+            self.fragments = 1
+        super().recv_frame(frame)
+
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's sans-I/O WebSocket protocol, plus: a frame over the protocol's
-    size cap (4x ``max_frame_bytes``; frames between the two get an error and
-    the socket stays open) gets an ``invalid_request`` error frame before the
-    1009 close, so the client learns why, and so does each generation still
-    running on the socket (``OPEN_GENERATIONS``); the app can see how much the
-    client has not yet taken (``UNACKED_BYTES``) and write many frames at once
-    (``SEND_FRAMES``)."""
+    """uvicorn's sans-I/O WebSocket protocol, plus:
+
+    - a frame over the protocol's size cap (4x ``max_frame_bytes``; frames
+      between the two get an error and the socket stays open) gets an
+      ``invalid_request`` error frame before the 1009 close, so the client
+      learns why, and so does each generation still running on the socket
+      (``OPEN_GENERATIONS``);
+    - on a server with API keys, a socket reads messages of at most
+      ``AUTH_FRAME_BYTES`` until the app has its key (``AUTHENTICATED``), so a
+      socket without one buffers nothing larger than an auth frame;
+    - a message in more than ``MAX_FRAGMENTS`` frames is closed as too big;
+    - a client that does not read what it is sent is not read either: while
+      the transport's buffer is over its high-water mark the socket is not
+      read, and pings met then get no pong (RFC 6455 lets a pong answer only
+      the latest ping), so a ping flood cannot queue pongs without bound;
+    - the app can see how much the client has not yet taken
+      (``UNACKED_BYTES``) and write many frames at once (``SEND_FRAMES``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        old = self.conn
+        self.conn = _FrameLimits(extensions=old.available_extensions, max_size=self.config.ws_max_size, logger=old.logger)
+        self.write_paused = False
+        settings = getattr(self.config, "settings", None)
+        self.authenticated = not (settings is not None and settings.api_keys)
+        if not self.authenticated:
+            self.conn.max_message_size = AUTH_FRAME_BYTES
 
     def handle_connect(self, event: Any) -> None:
         """Gives the app a probe of what the client has not taken (its slow-consumer check)."""
@@ -48,6 +106,34 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
             self.open_generations: dict[str, Any] = {}  # filled by the app: id -> generation
             extensions[OPEN_GENERATIONS] = self.open_generations
             extensions[SEND_FRAMES] = self.send_frames
+            extensions[AUTHENTICATED] = self.authenticate
+
+    def authenticate(self) -> None:
+        """The app has the socket's key: full-size messages from now on."""
+        self.authenticated = True
+        self.conn.max_message_size = self.config.ws_max_size
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.write_paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.write_paused = False
+        if not self.read_paused:
+            self.transport.resume_reading()
+
+    async def receive(self) -> Any:
+        message = await super().receive()
+        if self.write_paused:  # uvicorn resumes reading once the app has taken every message
+            self.transport.pause_reading()
+        return message
+
+    def handle_ping(self) -> None:
+        pongs = self.conn.data_to_send()
+        if not self.write_paused:
+            self.transport.write(b"".join(pongs))
 
     async def send_frames(self, frames: list[bytes]) -> None:
         """Text frames (UTF-8 JSON) in one write: a connection's tokens of one
@@ -67,6 +153,8 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         closing = self.conn.close_sent
         if closing is not None and closing.code == CloseCode.MESSAGE_TOO_BIG:
             why = f"frame too large: {closing.reason}"
+            if not self.authenticated:
+                why = f"send {{'type': 'auth', 'api_key': ...}} first (until then, at most {AUTH_FRAME_BYTES} bytes)"
             # the socket closes: each generation on it ends with an error, then the frame's own
             for gen_id in [*getattr(self, "open_generations", {}), None]:
                 error = {"type": "error", "id": gen_id, "code": "invalid_request", "message": why}

@@ -14,6 +14,7 @@ import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.auth import origin_allowed, request_key, tenant_of
+from gateway.connections import AUTHENTICATED
 from gateway.engine_client import EngineClient
 
 
@@ -28,6 +29,7 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
     if not s.api_keys:
         return ""
     if (tenant := tenant_of(request_key(ws.headers), s.api_keys)) is not None:
+        _authenticated(ws)
         return tenant
     message: Mapping[str, Any] | None = None
     with anyio.move_on_after(s.auth_timeout_s):
@@ -37,6 +39,7 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
     elif message["type"] == "websocket.disconnect":
         return None
     elif (tenant := tenant_of(_auth_key(message), s.api_keys)) is not None:
+        _authenticated(ws)
         await _send(ws, '{"type":"authenticated"}')  # a client already gone shows up as a disconnect
         return tenant
     else:
@@ -46,6 +49,12 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
     with contextlib.suppress(RuntimeError, OSError):
         await ws.close(code=1008)
     return None
+
+
+def _authenticated(ws: WebSocket) -> None:
+    """Tell the protocol (where it listens) that full-size frames may come now."""
+    if (lift := ws.scope.get("extensions", {}).get(AUTHENTICATED)) is not None:
+        lift()
 
 
 async def _send(ws: WebSocket, text: str) -> None:
