@@ -35,6 +35,7 @@ from gateway.protocol import (
     integer,
     parse_generate,
     parse_json_object,
+    parse_off_loop,
 )
 from gateway.streams import RequestStream
 
@@ -115,7 +116,7 @@ async def handle(
     client: EngineClient = request.app.state.client
     try:
         body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
-        req = parse(body, client)
+        req = await parse_off_loop(parse, body, client)
         if req.traceparent is None:
             req.traceparent = request.headers.get("traceparent")
         req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
@@ -127,7 +128,7 @@ async def handle(
     except ProtocolError as exc:
         client.report_error(exc.code)
         return error_response(exc.code, exc.message, exc.retry_after_s, exc.param)
-    model = body.get("model") or client.settings.model_name
+    model = client.settings.model_name  # the served model's id, never the client's string (echoed per chunk)
     token_bytes = client.tokenizer.token_bytes
     ids = [s.request_id for s in streams]
     makers = [PieceMaker(token_bytes, req.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]

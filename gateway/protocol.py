@@ -8,14 +8,19 @@ the documented error codes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 import orjson
 
 from core.sched.request import MAX_LOGPROBS, SamplingParams
 from gateway.structured import grammar_of
 from gateway.tools import Tools
+
+T = TypeVar("T")
+C = TypeVar("C")
 
 ERROR_CODES = (
     "invalid_request",
@@ -271,3 +276,13 @@ def _deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
         if not level:
             return False
     return True
+
+
+async def parse_off_loop(parse: Callable[[dict[str, Any], C], T], body: dict[str, Any], client: C) -> T:
+    """parse(body, client); in a worker thread when the body carries a schema
+    (``tools``, ``response_format``): checking and compiling one takes tens of
+    milliseconds at the size cap, which the event loop every stream shares
+    should not spend."""
+    if body.get("tools") or isinstance(body.get("response_format"), dict):
+        return await anyio.to_thread.run_sync(parse, body, client)
+    return parse(body, client)

@@ -16,7 +16,7 @@ from typing import Any
 
 import llguidance
 
-from gateway.finite_schema import has_finite_instance
+from gateway.finite_schema import check_size, has_finite_instance
 
 MAX_SCHEMA_CHARS = 64 * 1024
 
@@ -37,6 +37,7 @@ def grammar_of(response_format: Any) -> str | None:
             raise ValueError("json_schema needs a schema object: {name, schema: {...}, strict}")
     else:
         raise ValueError("type must be text, json_object or json_schema")
+    check_size(schema)
     try:
         # compact JSON: a small model left free to add whitespace may never stop
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})

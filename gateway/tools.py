@@ -24,7 +24,7 @@ from typing import Any
 
 import llguidance
 
-from gateway.finite_schema import has_finite_instance
+from gateway.finite_schema import SchemaTooLarge, has_finite_instance
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3 may open a call with it
@@ -59,7 +59,11 @@ def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             # OpenAI's arguments are an object: a schema of anything else made them a bare string or number
             raise ValueError(f'tools: parameters of {fn["name"]} must be a JSON Schema of type "object"')
-        if not has_finite_instance(parameters):
+        try:
+            finite = has_finite_instance(parameters)
+        except SchemaTooLarge as exc:
+            raise ValueError(f"tools: parameters of {fn['name']}: {exc}") from None
+        if not finite:
             raise ValueError(f"tools: parameters of {fn['name']} have no finite instance (a $ref cycle?)")
         functions.append(
             {"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": parameters}
@@ -73,7 +77,8 @@ def parse_tools(tools: Any, tool_choice: Any) -> Tools | None:
         return None
     if tool_choice == "required":
         return Tools(functions, "required")
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or name not in names:
         raise ValueError('tool_choice: none, auto, required or {"type": "function", "function": {"name": <a tool>}}')
     return Tools(functions, name)

@@ -27,7 +27,7 @@ from gateway.auth import tenant_of
 from gateway.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, ready_pieces
-from gateway.protocol import ProtocolError, boolean, parse_generate, parse_json_object
+from gateway.protocol import GenerateRequest, ProtocolError, boolean, parse_generate, parse_json_object, parse_off_loop
 from gateway.streams import RequestStream
 from gateway.ws_auth import accept
 
@@ -171,7 +171,7 @@ class Connection:
         """Validate, tokenize (off the loop) and submit; the writer streams the rest."""
         gen = self.gens[gen_id]
         try:
-            req = parse_generate(frame, WS_DEFAULTS, self.client.snapshot.config.max_model_len)
+            req = await parse_off_loop(_parse, frame, self.client)
             req.tenant = self.tenant
             timestamps = boolean(frame, "timestamps")
             if req.traceparent is None:
@@ -255,6 +255,10 @@ class Connection:
                 self.gens.pop(gen_id, None)
                 _encode(_done(gen_id, piece, gen.prompt_tokens, gen.sent_tokens), out)
                 return
+
+
+def _parse(frame: dict[str, Any], client: EngineClient) -> GenerateRequest:
+    return parse_generate(frame, WS_DEFAULTS, client.snapshot.config.max_model_len)
 
 
 def _encode(frame: dict[str, Any], out: list[bytes]) -> None:
