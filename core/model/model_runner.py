@@ -136,6 +136,11 @@ class ModelRunner:
                 logits_rows += range(len(ids) - 1 - len(item.drafts), len(ids))
                 sampled.append(req)
                 drafts.append(item.drafts)
+        grammars = self.sampler.grammars
+        if grammars is not None:  # compiled while this iteration's forward pass runs
+            grammars.prepare(
+                [i.request for i in batch.items if i.is_prefill and i.request.sampling.grammar is not None]
+            )
         # plain decodes lead the batch; speculating ones run as chunks
         num_decodes = sum(1 for item in batch.items if not item.is_prefill and item.num_tokens == 1)
         dev = self.device
