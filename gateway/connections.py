@@ -280,9 +280,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """A body's declared length (the parser has checked it), None when chunked."""
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            return None
+    if any(name == b"transfer-encoding" for name, _ in headers):
+        return None
     for name, value in headers:
         if name == b"content-length":
             return int(value)

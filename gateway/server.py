@@ -90,7 +90,9 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         old = self.conn
-        self.conn = _FrameLimits(extensions=old.available_extensions, max_size=self.config.ws_max_size, logger=old.logger)
+        self.conn = _FrameLimits(
+            extensions=old.available_extensions, max_size=self.config.ws_max_size, logger=old.logger
+        )
         self.write_paused = False
         settings = getattr(self.config, "settings", None)
         self.authenticated = not (settings is not None and settings.api_keys)

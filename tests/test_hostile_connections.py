@@ -13,7 +13,6 @@ import httpx
 import orjson
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 
 from gateway.connections import MAX_PIPELINED
@@ -193,7 +192,7 @@ def test_an_unauthenticated_socket_cannot_announce_a_large_frame(keyed):
     with sock:
         header = _frame(Opcode.TEXT, b"x" * 4_000_000)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(header[:1 << 16])
+            sock.sendall(header[: 1 << 16])
         assert _close_code(sock) == 1009
     for conn in _connections(keyed):  # nothing of it is held
         assert sum(len(b) for b in getattr(conn, "frames", [])) < 1 << 16
