@@ -35,6 +35,7 @@ from gateway.connections import (
     unacked_bytes,
 )
 from gateway.engine_client import EngineClient
+from gateway.logs import limit_stdlib_repeats
 
 log = structlog.get_logger(__name__)
 
@@ -230,6 +231,7 @@ def make_server(
         ws_ping_interval=20.0,
         ws_ping_timeout=60.0,
     )
+    limit_stdlib_repeats("uvicorn.error", "uvicorn.access")  # after uvicorn's own logging set-up
     return DrainingServer(config, client, send_buffer_bytes)
 
 

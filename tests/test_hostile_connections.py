@@ -238,3 +238,43 @@ def test_a_ping_flood_from_a_client_that_never_reads_is_not_buffered(server):
         buffered = max((c.transport.get_write_buffer_size() for c in _connections(server) if c.transport), default=0)
     assert sent < 200_000  # the sender was held back
     assert buffered < 1 << 20
+
+
+def test_a_warning_a_client_can_cause_is_logged_a_few_times_per_window(server):
+    """2,000 h2c upgrade requests wrote 2,000 warning lines; now at most
+    REPEATS_PER_WINDOW per minute, and the next one says how many were dropped."""
+    import logging
+
+    from gateway.logs import REPEATS_PER_WINDOW
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        h2c = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        h2c += b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nConnection: close\r\n\r\n"
+        for _ in range(50):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(h2c)
+                _read_all(sock, timeout=5)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    upgrades = [line for line in lines if "Unsupported upgrade" in line]
+    assert 1 <= len(upgrades) <= REPEATS_PER_WINDOW
+
+
+def test_the_repeat_limit_reports_what_it_dropped():
+    from gateway.logs import RepeatLimit
+
+    now = [0.0]
+    limit = RepeatLimit(burst=3, window_s=10.0, clock=lambda: now[0])
+    assert [limit.admit("a") for _ in range(5)] == [0, 0, 0, None, None]
+    assert limit.admit("b") == 0  # each cause its own
+    now[0] = 10.0
+    assert limit.admit("a") == 2  # a new window: the two dropped are reported
+    assert limit.admit("a") == 0
