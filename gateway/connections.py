@@ -24,7 +24,12 @@ process at its file limit. Here, before the parser sees a byte:
 - a response sent before its request's body was read whole (a 408 for a body
   that trickled, a ``/healthz`` that ignored its ``Content-Length``) ends the
   connection: what follows on the wire is the rest of that body, and each
-  trickled byte used to cancel the keep-alive timer for good.
+  trickled byte used to cancel the keep-alive timer for good;
+- a connection whose client takes nothing of what it is sent for
+  ``slow_consumer_s`` (the transport's buffer stays over its high-water mark)
+  is aborted, HTTP and WebSocket alike (``WriteStall``): a pipelining client
+  that never read its answers held its connection, a blocked response and
+  its unread input forever.
 """
 
 from __future__ import annotations
@@ -64,6 +69,28 @@ class _PipelineFull(httptools.HttpParserError):
     """Raised in a parser callback to stop parsing at a request the pipeline has no room for."""
 
 
+class WriteStall:
+    """Aborts a transport whose writing stays paused (the client reads nothing) for ``limit_s``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit_s: float) -> None:
+        self.loop, self.limit_s = loop, limit_s
+        self._timer: asyncio.TimerHandle | None = None
+
+    def paused(self, transport: asyncio.BaseTransport) -> None:
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.limit_s, _abort, transport)
+
+    def resumed(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _abort(transport: asyncio.BaseTransport) -> None:
+    if not transport.is_closing():
+        transport.abort()  # type: ignore[attr-defined]
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     config: GatewayConfig
 
@@ -80,6 +107,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._held, self._held_at = b"", 0  # read and not yet fed to the parser (the pipeline was full)
         self._body_left: int | None = None  # of a Content-Length body being read
         self._waiting_for_room = False  # reading paused until the pipeline has room
+        self._lingering = False  # our end is shut: what still arrives is dropped until the close
+        self._write_stall = WriteStall(self.loop, s.slow_consumer_s)
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(s.header_timeout_s, self._head_timed_out)
         host = self.client[0] if self.client else None
         if len(self.connections) > s.max_connections:
@@ -89,10 +118,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._write_stall.resumed()
         super().connection_lost(exc)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_stall.paused(self.transport)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._write_stall.resumed()
+
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None or self._pipeline_full:
+        if self._refusal is not None or self._pipeline_full or self._lingering:
             return
         self._held = self._held[self._held_at :] + data if self._held_at < len(self._held) else data
         self._held_at = 0
@@ -255,6 +293,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         is mid-send: our end is shut and what the client still sends is read and
         dropped for LINGER_S before the close (closing on unread data resets the
         connection, and the reset can destroy the 431 before the client reads it)."""
+        if self._lingering or self.transport.is_closing():
+            return
         self._refusal = (status, message)
         self._stop_head_timer()
         if self._running() and self.cycle.response_started:  # an answer is on its way: close after it
@@ -264,6 +304,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         body = orjson.dumps({"error": {"message": message, "type": code, "code": code}})
         head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
         self.transport.write(head % (status, REASONS[status], len(body)) + body)
+        if self._running():  # the app waiting on this request's body sees a disconnect and writes nothing
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
         if status == 431:  # a client cut mid-send; others close at once
             self._linger_close()
         else:
@@ -271,6 +314,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _linger_close(self) -> None:
         """Shut our end, drop what the client still sends, close after LINGER_S."""
+        self._lingering = True
         if self.transport.can_write_eof():
             self.transport.write_eof()
             self.loop.call_later(LINGER_S, self.transport.close)

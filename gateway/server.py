@@ -32,6 +32,7 @@ from gateway.connections import (
     SEND_FRAMES,
     UNACKED_BYTES,
     GatewayConfig,
+    WriteStall,
     unacked_bytes,
 )
 from gateway.engine_client import EngineClient
@@ -85,6 +86,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
       the transport's buffer is over its high-water mark the socket is not
       read, and pings met then get no pong (RFC 6455 lets a pong answer only
       the latest ping), so a ping flood cannot queue pongs without bound;
+      after ``slow_consumer_s`` of that the socket is aborted (``WriteStall``);
     - the app can see how much the client has not yet taken
       (``UNACKED_BYTES``) and write many frames at once (``SEND_FRAMES``)."""
 
@@ -96,6 +98,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         )
         self.write_paused = False
         settings = getattr(self.config, "settings", None)
+        self.write_stall = WriteStall(self.loop, settings.slow_consumer_s if settings is not None else 30.0)
         self.authenticated = not (settings is not None and settings.api_keys)
         if not self.authenticated:
             self.conn.max_message_size = AUTH_FRAME_BYTES
@@ -120,12 +123,18 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         super().pause_writing()
         self.write_paused = True
         self.transport.pause_reading()
+        self.write_stall.paused(self.transport)
 
     def resume_writing(self) -> None:
         super().resume_writing()
         self.write_paused = False
+        self.write_stall.resumed()
         if not self.read_paused:
             self.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.write_stall.resumed()
+        super().connection_lost(exc)
 
     async def receive(self) -> Any:
         message = await super().receive()

@@ -25,7 +25,7 @@ KEY = "k-one"
 
 @pytest.fixture(scope="module")
 def server():
-    s = sim_server(settings=GatewaySettings(header_timeout_s=2.0, body_timeout_s=3.0))
+    s = sim_server(settings=GatewaySettings(header_timeout_s=2.0, body_timeout_s=3.0, slow_consumer_s=3.0))
     yield s
     s.stop()
 
@@ -69,6 +69,29 @@ def test_pipelined_requests_wait_unparsed_beyond_the_cap_and_all_are_answered(se
             deepest = max([deepest, *(len(c.pipeline) for c in _connections(server))])
     assert deepest <= MAX_PIPELINED
     assert reply.count(b"HTTP/1.1 200") == 2002 and reply.endswith(b'{"status":"ok"}')
+
+
+def test_a_client_that_never_reads_its_answers_loses_its_connection(server):
+    """29,000 pipelined requests a write, answers never read: once the server's
+    writes stay blocked for slow_consumer_s the connection is aborted (it was
+    held forever, a blocked answer and unread input with it)."""
+    before = len(_connections(server))
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(1)
+        burst = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 29_000  # large answers fill the buffers fast
+        deadline = time.monotonic() + 30
+        aborted = False
+        while not aborted and time.monotonic() < deadline:
+            try:
+                sock.sendall(burst)
+            except TimeoutError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                aborted = True
+            if len(_connections(server)) <= before:
+                aborted = True
+    assert aborted
 
 
 def test_a_chunked_body_cannot_smuggle_an_endless_trailer(server):
@@ -278,3 +301,35 @@ def test_the_repeat_limit_reports_what_it_dropped():
     now[0] = 10.0
     assert limit.admit("a") == 2  # a new window: the two dropped are reported
     assert limit.admit("a") == 0
+
+
+def test_bytes_after_an_early_answer_are_dropped_without_an_error(keyed):
+    """A keyed server answers 401 at the head; the chunked body and an endless
+    trailer that follow are dropped during the linger, with no write after the
+    shut end (it raised inside the transport and the app)."""
+    import logging
+
+    errors: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    handler = Collect()
+    for name in ("asyncio", "uvicorn.error"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: "
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", keyed.port)) as sock:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    sock.sendall(head)
+                    for _ in range(100):
+                        sock.sendall(b"a" * 8192)
+                reply = _read_all(sock)
+            assert reply.startswith(b"HTTP/1.1 401")
+    finally:
+        for name in ("asyncio", "uvicorn.error"):
+            logging.getLogger(name).removeHandler(handler)
+    assert errors == []
