@@ -47,6 +47,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "default: localhost and --host)",
     )
     gw.add_argument("--max-waiting", type=int, default=256, help="waiting requests before 'overloaded'")
+    gw.add_argument(
+        "--max-waiting-per-key", type=int, default=128, help="one API key's share of --max-waiting (0: no share)"
+    )
     gw.add_argument("--max-generations-per-connection", type=int, default=32)
     gw.add_argument(
         "--key-token-rate",
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> None:
     keys = tuple(args.api_key or ()) + tuple(k for k in os.environ.get("STALLFREE_API_KEYS", "").split(",") if k)
     settings = GatewaySettings(
         max_waiting=args.max_waiting,
+        max_waiting_per_key=args.max_waiting_per_key,
         max_generations_per_connection=args.max_generations_per_connection,
         key_token_rate=args.key_token_rate,
         slow_consumer_s=args.slow_consumer_s,

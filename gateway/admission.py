@@ -2,7 +2,9 @@
 
 The per-key token rate (a glance at the bucket), then the waiting room
 (``max_waiting`` counts requests still being tokenized and those queued
-without a first token, so a burst cannot all slip in while tokenizing), then
+without a first token, so a burst cannot all slip in while tokenizing; one
+API key holds at most ``max_waiting_per_key`` of it, so a key that floods
+the room cannot lock every other key out of it), then
 tokenizing in a worker thread (``tokenizer_threads`` at a time: the event
 loop and the step thread keep their cores), then the prompt's tokens
 reserved in the bucket (concurrent prompts cannot overdraw it). ``/tokenize``
@@ -11,6 +13,7 @@ and ``/detokenize`` take the same waiting room and threads.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,8 +31,9 @@ class Admission:
         self.settings = settings
         rate = settings.key_token_rate
         self.rate_limit = TokenRateLimit(rate, settings.key_token_burst_s) if rate > 0 else None
-        self.unstarted: set[str] = set()  # queued in the engine, no first token yet
+        self.unstarted: dict[str, str] = {}  # queued in the engine, no first token yet: request id -> tenant
         self._tokenizing = 0  # admitted, still being tokenized
+        self._waiting: Counter[str] = Counter()  # per tenant: tokenizing or unstarted
         self._threads = anyio.CapacityLimiter(settings.tokenizer_threads)
 
     def check_rate(self, tenant: str) -> None:
@@ -37,15 +41,36 @@ class Admission:
         if self.rate_limit is not None and (wait_s := self.rate_limit.retry_after_s(tenant)):
             raise ProtocolError("overloaded", f"token rate limit of this API key; retry in {wait_s} s", None, wait_s)
 
-    async def tokenize(self, work: Callable[[], T]) -> T:
+    async def tokenize(self, work: Callable[[], T], tenant: str = "") -> T:
         """Run CPU work (templates, tokenizing) in the waiting room and a worker thread."""
         if len(self.unstarted) + self._tokenizing >= self.settings.max_waiting:
             raise ProtocolError("overloaded", f"too many waiting requests ({self.settings.max_waiting})")
+        share = self.settings.max_waiting_per_key
+        if tenant and share and self._waiting[tenant] >= share:
+            raise ProtocolError("overloaded", f"too many waiting requests from this API key ({share})")
         self._tokenizing += 1
+        self._waiting[tenant] += 1
         try:
             return await anyio.to_thread.run_sync(work, limiter=self._threads)
         finally:
             self._tokenizing -= 1
+            self._left(tenant)
+
+    def queued(self, request_id: str, tenant: str) -> None:
+        """In the engine's queue, without a first token yet."""
+        self.unstarted[request_id] = tenant
+        self._waiting[tenant] += 1
+
+    def started(self, request_id: str) -> None:
+        """Its first token (or its end): out of the waiting room."""
+        tenant = self.unstarted.pop(request_id, None)
+        if tenant is not None:
+            self._left(tenant)
+
+    def _left(self, tenant: str) -> None:
+        self._waiting[tenant] -= 1
+        if not self._waiting[tenant]:
+            del self._waiting[tenant]
 
     def reserve(self, tenant: str, prompt_tokens: int) -> None:
         """Take the prompt's tokens from the key's bucket, or refuse."""

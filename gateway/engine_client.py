@@ -145,7 +145,7 @@ class EngineClient:
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down")
         self.admission.check_rate(req.tenant)
-        ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, req))
+        ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, req), req.tenant)
         self.admission.reserve(req.tenant, len(ids))
         sampling = req.sampling
         limit = self.snapshot.config.max_model_len
@@ -180,7 +180,7 @@ class EngineClient:
             raise ProtocolError("invalid_request", str(exc)) from None
         stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
         self._streams[request_id] = stream
-        self.admission.unstarted.add(request_id)
+        self.admission.queued(request_id, request.tenant)
         self._last_submit_ns = time.perf_counter_ns()
         operation = "chat" if req.messages is not None else "text_completion"
         self._observe(lambda obs: obs.on_submit(request, operation, self.settings.model_name, req.traceparent))
@@ -285,7 +285,7 @@ class EngineClient:
             gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
             emitted.append(Emitted(o.request_id, len(o.new_token_ids), emit_ns, gap_ns, o.stalled))
             stream.last_emit_ns = emit_ns
-        self.admission.unstarted.discard(o.request_id)
+        self.admission.started(o.request_id)
         if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
             self.cut_off(o.request_id)
         elif o.finish_reason is not None:
@@ -298,7 +298,7 @@ class EngineClient:
 
     def _fail(self, request_id: str, reason: FinishReason) -> None:
         stream = self._streams.pop(request_id, None)
-        self.admission.unstarted.discard(request_id)
+        self.admission.started(request_id)
         if stream is not None:
             stream.fail(reason)
             self.backend.abort(request_id)

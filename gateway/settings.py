@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class GatewaySettings:
     # admission control
     max_waiting: int = 256  # requests accepted but without a first token yet; more -> overloaded (429)
+    max_waiting_per_key: int = 128  # one API key's share of max_waiting (0: no share); more -> overloaded (429)
     max_generations_per_connection: int = 32  # concurrent ids on one WebSocket
     tokenizer_threads: int = 1  # chat templates and tokenization running at once (the rest wait, counted as waiting)
     key_token_rate: float = 0.0  # tokens/s each API key may use (prompt + generated); 0: no limit

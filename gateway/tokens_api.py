@@ -14,6 +14,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.openai_api import error_response, read_json
 from gateway.protocol import ProtocolError, messages_field
@@ -37,7 +38,9 @@ async def tokenize(request: Request) -> Response:
         def encode() -> list[int]:
             return tok.encode(tok.render_chat(chat) if chat is not None else prompt or "")
 
-        ids = await client.admission.tokenize(encode)
+        ids = await client.admission.tokenize(
+            encode, tenant_of(request_key(request.headers), client.settings.api_keys) or ""
+        )
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
     except Exception as exc:  # a template that fails on these messages is the caller's input

@@ -330,3 +330,30 @@ async def test_openai_streams_cut_by_a_drain_finish_as_cancelled_not_stop():
             reasons += [c["finish_reason"] for c in orjson.loads(line[6:])["choices"] if c["finish_reason"]]
     assert reasons[-1] == "cancelled"
     srv.thread.join(20)
+
+
+async def test_one_key_cannot_fill_the_whole_waiting_room():
+    """A key that floods gets at most max_waiting_per_key of the room; another
+    key is still admitted (before, the flood took all 256 places and every
+    other key got 429)."""
+    settings = GatewaySettings(max_waiting=8, max_waiting_per_key=4, api_keys=("flood", "other"))
+    srv = sim_server(time_scale=300.0, settings=settings, token_budget=80, max_num_seqs=64)
+    try:
+        body = {"prompt": "z", "max_tokens": 1}
+        limits = httpx.Limits(max_connections=64)
+        async with (
+            httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits, headers={"X-API-Key": "flood"}) as flood,
+            httpx.AsyncClient(base_url=srv.url, timeout=120, headers={"X-API-Key": "other"}) as other,
+        ):
+            pending = {asyncio.create_task(flood.post("/v1/completions", json=body)) for _ in range(20)}
+            refused = []
+            while len(refused) < 16:  # the refusals come back at once; the 4 admitted wait on the slow engine
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                refused += [t.result() for t in done]
+            reply = await other.post("/v1/completions", json=body)
+            admitted = await asyncio.gather(*pending)
+        assert all(r.status_code == 429 and "this API key" in r.json()["error"]["message"] for r in refused)
+        assert [r.status_code for r in admitted] == [200] * 4
+        assert reply.status_code == 200
+    finally:
+        srv.stop()
