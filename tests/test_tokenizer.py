@@ -101,7 +101,8 @@ from pathlib import Path
 from core.model.loader import load_tiny
 tok = load_tiny().tokenizer
 def rss():
-    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS")) / 1024
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return next(int(l.split()[1]) for l in lines if l.startswith("VmRSS")) / 1024
 tok.encode("warm up " * 10)
 before = rss()
 def work():
