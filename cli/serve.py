@@ -58,6 +58,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="tokens/s each API key may use, prompt + generated (429 with Retry-After beyond; default: no limit)",
     )
     gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
+    gw.add_argument(
+        "--stalled-connection-s", type=float, default=60.0, help="a client that reads nothing this long is dropped"
+    )
     gw.add_argument("--max-connections", type=int, default=8192, help="open connections in all (503 beyond)")
     gw.add_argument("--max-connections-per-client", type=int, default=2048, help="open connections per address")
     gw.add_argument("--header-timeout-s", type=float, default=10.0, help="request line + headers arrive within this")
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> None:
         max_generations_per_connection=args.max_generations_per_connection,
         key_token_rate=args.key_token_rate,
         slow_consumer_s=args.slow_consumer_s,
+        stalled_connection_s=args.stalled_connection_s,
         api_keys=keys,
         share_prefix_cache=args.share_prefix_cache,
         allowed_origins=tuple(args.allowed_origin or ()),

@@ -26,7 +26,7 @@ process at its file limit. Here, before the parser sees a byte:
   connection: what follows on the wire is the rest of that body, and each
   trickled byte used to cancel the keep-alive timer for good;
 - a connection whose client takes nothing of what it is sent for
-  ``slow_consumer_s`` (the transport's buffer stays over its high-water mark)
+  ``stalled_connection_s`` (the transport's buffer stays over its high-water mark)
   is aborted, HTTP and WebSocket alike (``WriteStall``): a pipelining client
   that never read its answers held its connection, a blocked response and
   its unread input forever.
@@ -108,7 +108,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._body_left: int | None = None  # of a Content-Length body being read
         self._waiting_for_room = False  # reading paused until the pipeline has room
         self._lingering = False  # our end is shut: what still arrives is dropped until the close
-        self._write_stall = WriteStall(self.loop, s.slow_consumer_s)
+        self._write_stall = WriteStall(self.loop, s.stalled_connection_s)
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(s.header_timeout_s, self._head_timed_out)
         host = self.client[0] if self.client else None
         if len(self.connections) > s.max_connections:

@@ -86,7 +86,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
       the transport's buffer is over its high-water mark the socket is not
       read, and pings met then get no pong (RFC 6455 lets a pong answer only
       the latest ping), so a ping flood cannot queue pongs without bound;
-      after ``slow_consumer_s`` of that the socket is aborted (``WriteStall``);
+      after ``stalled_connection_s`` of that the socket is aborted (``WriteStall``);
     - the app can see how much the client has not yet taken
       (``UNACKED_BYTES``) and write many frames at once (``SEND_FRAMES``)."""
 
@@ -98,7 +98,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         )
         self.write_paused = False
         settings = getattr(self.config, "settings", None)
-        self.write_stall = WriteStall(self.loop, settings.slow_consumer_s if settings is not None else 30.0)
+        self.write_stall = WriteStall(self.loop, settings.stalled_connection_s if settings is not None else 60.0)
         self.authenticated = not (settings is not None and settings.api_keys)
         if not self.authenticated:
             self.conn.max_message_size = AUTH_FRAME_BYTES

@@ -27,6 +27,9 @@ class GatewaySettings:
     # streaming
     stream_queue_frames: int = 64  # per-request queue; beyond it tokens coalesce into one frame
     slow_consumer_s: float = 30.0  # a stream with unread tokens this old is cancelled (slow_consumer)
+    # a connection whose client reads nothing of what it is sent for this long is aborted
+    # (after slow_consumer_s, so a stalled reader can still take its error frames first)
+    stalled_connection_s: float = 60.0
     # security
     api_keys: tuple[str, ...] = ()
     # one prefix cache for every API key. Off: each key's prompts hit only its own

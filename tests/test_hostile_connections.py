@@ -25,7 +25,7 @@ KEY = "k-one"
 
 @pytest.fixture(scope="module")
 def server():
-    s = sim_server(settings=GatewaySettings(header_timeout_s=2.0, body_timeout_s=3.0, slow_consumer_s=3.0))
+    s = sim_server(settings=GatewaySettings(header_timeout_s=2.0, body_timeout_s=3.0, stalled_connection_s=3.0))
     yield s
     s.stop()
 
@@ -73,7 +73,7 @@ def test_pipelined_requests_wait_unparsed_beyond_the_cap_and_all_are_answered(se
 
 def test_a_client_that_never_reads_its_answers_loses_its_connection(server):
     """29,000 pipelined requests a write, answers never read: once the server's
-    writes stay blocked for slow_consumer_s the connection is aborted (it was
+    writes stay blocked for stalled_connection_s the connection is aborted (it was
     held forever, a blocked answer and unread input with it)."""
     before = len(_connections(server))
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
