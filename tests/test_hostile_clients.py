@@ -339,7 +339,8 @@ async def test_normal_streams_keep_their_beat_through_a_mixed_hostile_load():
         assert set(result["healthz"]) == {"200"}, result["healthz"]
         attacks = result["attacks"]
         assert set(attacks["giant_header"]) <= {"431", "closed"} and "431" in attacks["giant_header"]
-        assert set(attacks["tokenize_flood"]) <= {"200", "429", "503"}, attacks["tokenize_flood"]
+        # one tokenizer thread: floods still queued 5 s after the phase are cut by the attacker itself
+        assert set(attacks["tokenize_flood"]) <= {"200", "429", "503", "cut at phase end"}, attacks["tokenize_flood"]
         assert set(attacks["deep_json"]) == {"400"} and set(attacks["many_messages"]) == {"400"}
         assert server.wait_kv_baseline() == 0
         assert rss_mb(server.proc.pid) < rss_before + 300
