@@ -244,7 +244,7 @@ async def round4_attacks(port: int, stop_at: float, seen: dict[str, collections.
         except (TimeoutError, ConnectionError):
             pass
         finally:
-            writer.close()
+            writer.transport.abort()  # gone without a goodbye, its unsent burst dropped
         return "held back" if writes < 20 else "all written"
 
     async def ws_big_frame_before_key() -> str:
@@ -281,7 +281,7 @@ async def round4_attacks(port: int, stop_at: float, seen: dict[str, collections.
         except (TimeoutError, ConnectionError):
             pass
         finally:
-            writer.close()
+            writer.transport.abort()
         return "held back" if sent < 1_000_000 else "all written"
 
     async def trailer_flood() -> str:
@@ -352,8 +352,8 @@ async def round4_attacks(port: int, stop_at: float, seen: dict[str, collections.
             return str((await http.post("/v1/completions", json=body)).status_code)
 
         async def long_prompt_burst() -> str:
-            body = {"prompt": "lorem ipsum " * 1580, "max_tokens": 16}  # 7,902 tokens each
-            replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(64)))
+            bodies = [{"prompt": f"{i} {time.time()} " + "lorem ipsum " * 1575, "max_tokens": 16} for i in range(64)]
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))  # ~7,900 tokens
             return "+".join(sorted({str(r.status_code) for r in replies}))
 
         tasks = [repeat_until("pipeline_flood", pipeline_flood, stop_at, seen)]
@@ -440,9 +440,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phase-s", type=float, default=20.0)
     ap.add_argument("--round4", action="store_true", help="issue 36's attacks too, on a server with an API key")
+    ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="the server's TBT target (0: none, the default)")
     args = ap.parse_args()
     raise_file_limit()  # this process holds 1,200 sockets at once
     serve = ["--sim"] if args.sim else ["--threads", "1"]
+    if args.tbt_slo_ms:
+        serve += ["--tbt-slo-ms", f"{args.tbt_slo_ms:g}"]
     key = KEY if args.round4 else None
     server = StallfreeServer(*serve, *(["--api-key", KEY] if key else []))
     port, pid = server.port, server.proc.pid
@@ -457,6 +460,9 @@ def main() -> None:
                 result["fds_after"] = open_fds(pid)
                 phases.append(result)
                 print(json.dumps(result))
+        settle_at = time.monotonic() + 70  # past stalled_connection_s (60 s): anything held is dropped by then
+        while open_fds(pid) > start["fds"] and time.monotonic() < settle_at:
+            time.sleep(1)
         end = {"rss_mb": rss_mb(pid), "fds": open_fds(pid), "fd_kinds": fd_kinds(pid)}
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth(key)).text
         kv_used = gauge(metrics, 'stallfree_kv_blocks{state="used"}')
@@ -472,6 +478,7 @@ def write(
     path = dated("hostile_load")
     command = "python -m bench.gateway.hostile_load" + (" --sim" if args.sim else "")
     command += f" --rounds {args.rounds} --phase-s {args.phase_s:g}" + (" --round4" if args.round4 else "")
+    command += f" --tbt-slo-ms {args.tbt_slo_ms:g}" if args.tbt_slo_ms else ""
     doc = {"command": command, "machine": m, "phases": phases, "start": start, "end": end, "kv_blocks_used_at_end": kv}
     path.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     lines = [
