@@ -31,7 +31,7 @@ BURST = 64
 
 
 async def user(url: str, stop_at: float, gaps: list[float]) -> None:
-    """One decoding user: 64-token generations one after another; every gap within one."""
+    """One decoding user: 64-token generations one after another until stop_at; every gap within one."""
     async with connect(url) as ws:
         n = 0
         while time.perf_counter() < stop_at:
@@ -40,7 +40,10 @@ async def user(url: str, stop_at: float, gaps: list[float]) -> None:
             await ws.send(orjson.dumps(frame).decode())
             last = None
             while True:
-                f = orjson.loads(await ws.recv())
+                try:  # a generation still waiting at stop_at (behind the burst) ends the run
+                    f = orjson.loads(await asyncio.wait_for(ws.recv(), max(0.1, stop_at - time.perf_counter())))
+                except TimeoutError:
+                    return
                 if f["type"] == "token":
                     now = time.perf_counter()
                     if last is not None:
