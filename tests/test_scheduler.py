@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 
+from core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
 from core.sched.config import SchedulerConfig
 from core.sched.request import RequestStatus
 from tests.simkit import request, run_to_completion, sim_engine
@@ -240,6 +241,48 @@ def test_dynamic_chunking_shrinks_later_chunks():
     assert body[0] == 64
     assert body[-1] < 56
     assert all(a >= b for a, b in itertools.pairwise(body))
+
+
+# `serve --sim`'s cost model: the embedded 135M model on the CPU-like hardware (core.build),
+# where attention over a long prefix costs far more than the projections: a 512-token chunk
+# takes 0.34 s with no prefix, 1.9 s after 7,000 tokens
+SIM_CPU = CostModel(
+    ModelSpec("smollm2-135m", 134515008, 2.0, layers=30, heads=9, kv_heads=3, head_dim=64),
+    HardwareSpec("cpu-like", flops=0.5e12, mem_bw=10e9, overhead_s=0.007, attention_flops=0.16e12),
+    attention=True,
+    kv_reads=True,
+)
+
+
+def test_dynamic_chunking_levels_the_whole_iteration_under_a_flood_of_long_prompts():
+    # A decode streams while long prompts flood in, two partial prefills at a time.
+    # Each iteration (the decode and every chunk) stays within what a budget-sized
+    # chunk with no prefix takes, as the prompts' prefixes grow, unless the prefill
+    # floor is all it holds; the decode gets its token in every one, nobody is
+    # preempted and every prompt finishes. (Levelling each chunk alone let two
+    # chunks and the decode run an iteration to twice the level.)
+    e = sim_engine(
+        num_blocks=4096, block_size=16, cost=SIM_CPU, token_budget=512, max_num_seqs=16, dynamic_chunking=True
+    )
+    e.add_request(request("canary", 4, max_tokens=100_000))
+    while e.scheduler.requests["canary"].status != RequestStatus.DECODING:
+        e.step()
+    prompts = [f"long{i}" for i in range(4)]
+    for rid in prompts:
+        e.add_request(request(rid, 2500, max_tokens=4))
+    level_s = SIM_CPU.iteration_s([], [(0, 512)])
+    floor = e.config.prefill_floor
+    over = []
+    for _ in range(1000):  # it takes about 40
+        if not any(rid in e.scheduler.requests for rid in prompts):
+            break
+        items, record = run_step(e)
+        assert ("canary", 1, False) in items
+        if record.predicted_ns > level_s * 1e9 * (1 + 1e-9) and record.prefill_tokens > floor:
+            over.append((record.iteration, record.chunks, round(record.predicted_ns / 1e9 / level_s, 2)))
+    assert over == []
+    assert e.scheduler.num_preemptions == 0
+    assert not any(rid in e.scheduler.requests for rid in prompts), "a prompt did not finish"
 
 
 def test_runner_failure_fails_only_that_batch():

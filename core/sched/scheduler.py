@@ -31,6 +31,11 @@ sized to ``aim`` x the target: 1 over the 99th percentile of the gap decodes
 got (an iteration's end to the previous one's) over its predicted time, in
 the last 256 iterations sized to a target.
 
+With ``dynamic_chunking`` every iteration, the decodes and all its chunks, is
+also kept within the predicted time of a budget-sized chunk with no prefix
+(the level), with the same shares and floor, so the growing cost of attention
+over a long prefix does not stretch the gap the budget was chosen for.
+
 Pure Python: it decides, the runner computes.
 """
 
@@ -63,9 +68,10 @@ AIM_FLOOR = 0.5
 
 @dataclass(slots=True)
 class _Target:
-    """One iteration's TBT target while its batch holds decodes."""
+    """A time limit on one iteration while it is scheduled: the TBT target while
+    its batch holds decodes, or dynamic chunking's level."""
 
-    target_s: float  # the TBT target
+    target_s: float  # the TBT target, or the level
     limit_s: float  # what the current pass may fill the predicted time up to
     owed_until: int  # the floor: prefill tokens the batch keeps, time or not
 
@@ -93,6 +99,7 @@ class Scheduler:
         self.cost = cost  # predicts iteration times: the TBT target, dynamic chunking and drafts need it
         self.drafter = drafter or NgramDrafter()
         self._target: _Target | None = None  # this iteration's, while scheduling
+        self._level: _Target | None = None  # dynamic chunking's, while scheduling
         self.aim = 1.0  # the fraction of the TBT target iterations are sized to
         self._gap_ratios: deque[float] = deque(maxlen=AIM_WINDOW)  # gap / predicted time, recent targeted iterations
         self._last_end_ns: int | None = None  # the previous iteration's end
@@ -199,6 +206,9 @@ class Scheduler:
             return batch
         left = self._decode(batch, budget)
         self._target = None
+        if self.config.dynamic_chunking and self.cost is not None:
+            level_s = self.cost.iteration_s([], [(0, budget)])
+            self._level = _Target(level_s, level_s, self.config.prefill_floor)
         if self.config.tbt_slo_ms and self.cost is not None and batch.items:
             self._target = _Target(self.config.tbt_slo_ms / 1e3, 0.0, 0)
             batch.target_s = self._target.target_s
@@ -214,7 +224,7 @@ class Scheduler:
                     left = self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
             self._draft(batch, left)
         finally:
-            self._target = None
+            self._target = self._level = None
         return batch
 
     def _prefill(self, batch: Batch, left: int, now_ns: int) -> int:
@@ -264,15 +274,16 @@ class Scheduler:
         return max(fit, self.config.prefill_floor)
 
     def _time_share(self, batch: Batch, share: float, floor: int) -> None:
-        """Under a TBT target, the next pass may fill ``share`` of the time the
-        batch so far leaves under the target, and is owed ``floor`` prefill
-        tokens whatever the time (never more than the budget leaves)."""
-        target = self._target
-        if target is None or self.cost is None:
+        """Under a TBT target (and dynamic chunking's level), the next pass may
+        fill ``share`` of the time the batch so far leaves under it, and is owed
+        ``floor`` prefill tokens whatever the time (never more than the budget leaves)."""
+        limits = [(t, aim) for t, aim in ((self._target, self.aim), (self._level, 1.0)) if t is not None]
+        if not limits or self.cost is None:
             return
         so_far = self.cost.iteration_s(*batch.shape())
-        target.limit_s = so_far + share * (target.target_s * self.aim - so_far)
-        target.owed_until = batch.prefill_tokens + max(0, floor)
+        for limit, aim in limits:
+            limit.limit_s = so_far + share * (limit.target_s * aim - so_far)
+            limit.owed_until = batch.prefill_tokens + max(0, floor)
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one token for every running decode, highest priority first;
@@ -302,7 +313,8 @@ class Scheduler:
     def _draft(self, batch: Batch, left: int) -> None:
         """Pass 4, speculative decoding: draft tokens for decodes whose context
         proposes some, from what is left once every decode has its token and
-        every prompt its chunk (the budget, and the TBT target's time): drafts
+        every prompt its chunk (the budget, and the TBT target's or dynamic
+        chunking's time): drafts
         never displace a decode or shrink a chunk. Decodes are served in pass
         1's order. With a cost model a decode gets the most of its drafts that
         pay (``_paying_drafts``): the tokens they are expected to add (its
@@ -318,6 +330,8 @@ class Scheduler:
         decodes, chunks = batch.shape()
         now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
         limit_s = target.target_s * self.aim if target is not None else float("inf")
+        if self._level is not None:
+            limit_s = min(limit_s, self._level.target_s)
         yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
         speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
         for index, item in enumerate(batch.items):
@@ -447,20 +461,21 @@ class Scheduler:
 
     def _chunk(self, batch: Batch, req: Request, pending: int, left: int, whole: bool) -> int:
         """How many of req's ``pending`` tokens run now: what the budget leaves,
-        cut to keep the iteration level (dynamic chunking) and within the TBT target."""
+        cut to keep the iteration level (dynamic chunking) and within the TBT target.
+        Both weigh the whole iteration (the decodes, the chunks placed so far, this
+        one after its prefix), and both owe the pass its floor whatever the time."""
         if whole:
             return pending if pending <= left else 0
         n = min(pending, left)
         prefix = req.num_tokens - pending
-        cost = self.cost
-        if cost is None or n == 0:
+        cost, level, target = self.cost, self._level, self._target
+        if cost is None or n == 0 or (level is None and target is None):
             return n
-        if self.config.dynamic_chunking:
-            level_s = cost.iteration_s([], [(0, self.config.token_budget)])
-            n = max(1, _largest(n, lambda m: cost.iteration_s([], [(prefix, m)]) <= level_s))
-        target = self._target
+        decodes, chunks = batch.shape()
+        if level is not None:
+            fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= level.limit_s)
+            n = max(fit, min(n, level.owed_until - batch.prefill_tokens))
         if target is not None:
-            decodes, chunks = batch.shape()
             fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= target.limit_s)
             owed = min(n, target.owed_until - batch.prefill_tokens)
             if fit < owed:  # the floor keeps prefill moving past the target
