@@ -13,11 +13,12 @@ process at its file limit. Here, before the parser sees a byte:
 - open connections (HTTP and WebSocket) are capped in all and per client
   address: over either, a 503 and the connection closes at once, so the
   process keeps the file descriptors it needs to serve everyone else;
-- pipelined requests are answered in order, at most ``MAX_PIPELINED`` waiting
-  behind the running one: the parser stops at the next one, reading stays
-  paused, and the connection closes after the last answer (a client may
-  retry the rest; each waiting request was an object, and 29,000 of them per
-  write grew the process by 1.6 GB);
+- pipelined requests are answered in order, at most ``MAX_PIPELINED`` parsed
+  and waiting behind the running one: what was read beyond them is held
+  unparsed and reading stays paused until an answer makes room (each waiting
+  request was an object, and 29,000 of them per write grew the process by
+  1.6 GB); only requests hidden behind a chunked body can overflow the cap,
+  and then what is queued is answered and the connection closes;
 - what a request sends after its head that is not body (chunk-size lines,
   chunk extensions, trailers) is capped like a head: a run of it over
   ``max_header_bytes`` with no body byte between is refused (431) and closed;
@@ -224,8 +225,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._tail = b""
         self._body_left = _content_length(self.headers)
         self._stop_head_timer()
-        running = self.cycle is not None and not self.cycle.response_complete
-        if running and len(self.pipeline) >= MAX_PIPELINED:
+        if self._running() and len(self.pipeline) >= MAX_PIPELINED:
             self._pipeline_full = True
             raise _PipelineFull
         super().on_headers_complete()

@@ -485,7 +485,7 @@ def write(
         "# Normal streams beside a hostile mixed load",
         "",
         f"`{command}` on {describe(m)}, {time.strftime('%Y-%m-%d')}; {STREAMS} WebSocket users streaming "
-        f"({'simulated runner' if args.sim else 'the embedded model, 1 thread'}); phases alternate.",
+        f"({'simulated runner' if args.sim else 'the embedded model, 1 thread, --dtype auto'}); phases alternate.",
         "",
     ]
     header = ["phase", "gaps", "p50 ms", "p99 ms", "worst ms", "normal generations", "peak RSS MB", "RSS after MB"]
