@@ -24,6 +24,7 @@ def machine() -> dict[str, object]:
     return {
         "cpu": model,
         "cores": os.cpu_count(),
+        "kind": cpu_build.kind(),
         "isa": cpu_build.detect_isa(),
         "amx": cpu_build.has_amx(),
         "avx512_bf16": "avx512_bf16" in cpu_build.cpu_flags(),
@@ -33,7 +34,8 @@ def machine() -> dict[str, object]:
 
 def describe(m: dict[str, object]) -> str:
     bf16 = "AMX" if m["amx"] else ("AVX-512 BF16" if m["avx512_bf16"] else "no bf16 instructions")
-    return f"{m['cpu']}, {m['cores']} cores, {m['isa']} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
+    kind = f"kind {m['kind']}, " if "kind" in m else ""
+    return f"{m['cpu']}, {m['cores']} cores, {kind}{m['isa']} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
 
 
 def dated(stem: str) -> Path:

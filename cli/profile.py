@@ -27,6 +27,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    paths: dict[str, str] = {}  # the CPU's kind and each op's implementation, when measured here
     from core.analysis.profiler import Profile, choose_budget, default_profile_path, fit, format_profile
 
     if args.refit:  # the measured points again, through the current cost model's fit
@@ -43,8 +44,17 @@ def run(args: argparse.Namespace) -> None:
         engine, runner = build_engine(model_settings(args), SchedulerConfig())
         prof = profile_runner(runner, engine.kv.num_blocks, runner.threads, quick=args.quick)
         path = args.save or default_profile_path(runner.config.name, prof.dtype, runner.threads)
+        paths = runner.kernel_paths
+        if paths:
+            print("kernels: " + "; ".join(f"{op}: {how}" for op, how in paths.items()), file=sys.stderr)
     prof.save(path)
     print(f"profile saved to {path}", file=sys.stderr)
     budget, how = choose_budget(prof.points, args.tpot_slo_ms)
-    doc = {**prof.to_json(), "tpot_slo_ms": args.tpot_slo_ms, "token_budget": budget, "token_budget_basis": how}
+    doc = {
+        **prof.to_json(),
+        **({"kernel_paths": paths} if paths else {}),
+        "tpot_slo_ms": args.tpot_slo_ms,
+        "token_budget": budget,
+        "token_budget_basis": how,
+    }
     emit(args, doc, format_profile(prof, args.tpot_slo_ms))

@@ -193,6 +193,7 @@ def local_backend(
         "threads": runner.threads,
         "device": str(runner.device),
         "kernels": runner.kernels,
+        **({"kernel_paths": runner.kernel_paths} if runner.kernel_paths else {}),
         "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
     }
     if auto_budget:

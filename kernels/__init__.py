@@ -83,6 +83,34 @@ def backend(device: torch.device) -> str:
     return "reference"
 
 
+def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
+    """Which implementation each op takes on this CPU at these dtypes, for the
+    start-up log and records (the machine's kind first)."""
+    status = cpu_build.status()
+    if status.backend != "native":
+        return {"kind": cpu_build.kind(), "all ops": str(status)}
+    from kernels import cpu_ops
+    from kernels.linear import dot_available
+
+    amx = cpu_build.has_amx()
+    if dtype == torch.bfloat16 and dot_available():
+        gemm = "vdpbf16ps up to 64 rows, oneDNN (AMX) beyond" if amx else "vdpbf16ps (dot_gemm)"
+    elif dtype == torch.bfloat16:
+        gemm = "oneDNN" + (" (AMX)" if amx else "")
+    else:
+        gemm = "compact weights up to 64 rows, oneDNN beyond"
+    tiles = "brgemm (AMX)" if amx and kv_dtype == torch.bfloat16 else "brgemm"
+    if kv_dtype == torch.bfloat16 and not amx and dot_available():
+        tiles = "vdpbf16ps tiles"
+    return {
+        "kind": cpu_build.kind(),
+        "linear": gemm,
+        "head": "float32, compact weights up to 64 rows",
+        "attention prefill": tiles if kv_dtype in cpu_ops.brgemm_dtypes() else "hand-written float32 FMA tiles",
+        "attention decode": "hand-written float32 FMA",
+    }
+
+
 def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     """x W^T + b; on CPU with the native kernels, decode-sized batches read the compact weights."""
     return _impl(x).linear(layer, x)
@@ -132,6 +160,7 @@ __all__ = [
     "linear_int8_available",
     "native_cpu",
     "paged_attention",
+    "paths",
     "rms_norm",
     "rope",
     "silu_mul",

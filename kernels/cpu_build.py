@@ -4,7 +4,12 @@ The instruction set is detected at run time from ``/proc/cpuinfo`` and picks
 the compiler flags; the build is cached per instruction set under
 ``~/.cache/stallfree/kernels`` (``STALLFREE_KERNEL_CACHE`` overrides), so a
 home directory shared by an AVX-512 and an AVX2 machine holds one build for
-each. Without a compiler, ninja or a working build, :func:`status` says
+each. ``STALLFREE_CPU_ISA`` forces one this CPU can execute (tests and
+benchmarks of the kinds a machine is not: ``avx512-bf16`` on an AMX Xeon,
+``avx512`` on a BF16 CPU, ``avx2`` on any AVX-512 one) and turns stallfree's
+own AMX paths off; ``ONEDNN_MAX_CPU_ISA`` caps oneDNN's. The machine's
+*kind* (:func:`kind`) is the ISA the kernels are built for, or ``amx``.
+Without a compiler, ninja or a working build, :func:`status` says
 ``reference`` with the reason (and logs it), and the dispatch falls back to
 the torch reference.
 ``STALLFREE_CPU_KERNELS=reference`` forces that fallback. ``make setup``
@@ -24,11 +29,26 @@ from pathlib import Path
 log = logging.getLogger("stallfree.kernels")
 
 SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("attention.cpp", "elementwise.cpp", "gemm.cpp", "roofline.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("attention.cpp", "dot_gemm.cpp", "elementwise.cpp", "gemm.cpp", "roofline.cpp")
 ]
 
 # instruction set -> (flags it needs in /proc/cpuinfo, compiler flags); best first
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512-bf16": (  # AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and later
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_bf16", "avx512_vnni"),
+        (
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+            "-mavx512vnni",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+        ),
+    ),
     "avx512": (
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
@@ -50,12 +70,28 @@ def cpu_flags() -> set[str]:
 
 
 def detect_isa(flags: set[str] | None = None) -> str:
+    """The best ISA this CPU executes, or ``STALLFREE_CPU_ISA`` when it names one it can."""
     flags = cpu_flags() if flags is None else flags
-    return next(name for name, (needs, _) in ISAS.items() if all(f in flags for f in needs))
+    runnable = [name for name, (needs, _) in ISAS.items() if all(f in flags for f in needs)]
+    forced = os.environ.get("STALLFREE_CPU_ISA")
+    if forced:
+        if forced not in runnable:
+            raise ValueError(f"STALLFREE_CPU_ISA={forced}: this CPU runs {', '.join(runnable)}")
+        return forced
+    return runnable[0]
+
+
+def kind(flags: set[str] | None = None) -> str:
+    """The machine's kind in records and logs: ``amx``, ``avx512-bf16``,
+    ``avx512``, ``avx2`` or ``generic`` (a forced ISA also stands in for AMX)."""
+    isa = detect_isa(flags)
+    return "amx" if isa == "avx512-bf16" and has_amx(flags) else isa
 
 
 def has_amx(flags: set[str] | None = None) -> bool:
-    """AMX tiles for bf16 (used by oneDNN's GEMMs; recorded beside results)."""
+    """AMX tiles for bf16 (oneDNN's GEMMs), unless ``STALLFREE_CPU_ISA`` forces an ISA."""
+    if flags is None and os.environ.get("STALLFREE_CPU_ISA"):
+        return False
     flags = cpu_flags() if flags is None else flags
     return {"amx_bf16", "amx_tile"} <= flags
 
@@ -96,7 +132,7 @@ def status() -> Status:
         directory = cache_dir(isa)
         directory.mkdir(parents=True, exist_ok=True)
         load(
-            name=f"stallfree_cpu_{isa}",
+            name=f"stallfree_cpu_{isa.replace('-', '_')}",
             sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-std=c++17", *ISAS[isa][1]],
             build_directory=str(directory),

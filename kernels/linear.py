@@ -15,13 +15,20 @@ float32 weight, one scale per output column, and runs float32 batches through
 or AVX-512 VNNI) above ``COMPACT_ROWS`` rows: only prefill chunks run in int8,
 decode-sized batches stay exact.
 
+A bf16 layer on a CPU with AVX512-BF16 (``kernels/csrc/dot_gemm.cpp``)
+runs every batch, decode or chunk, on the dot-product instruction from a
+copy packed in k pairs: 2x oneDNN's rate at a few rows, 1.03-1.10x at chunk
+sizes (``bench.kernels.linear_kernels``). Elsewhere bf16 goes to oneDNN.
+
 A layer made with ``float_out`` (the ones whose output joins the float32
 residual stream) returns float32 products of its narrower operands, never
-rounded to bf16: through oneDNN's brgemm where it runs (``gemm_bf16_f32``),
-else by a float32 GEMM of the same bf16 values.
+rounded to bf16: by the dot-product kernel, or oneDNN's brgemm (AMX,
+``gemm_bf16_f32``), else by a float32 GEMM of the same bf16 values.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +55,8 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.compact: CompactWeight | None = None
         self.float_out = float_out and weight.dtype != torch.float32
+        self.dot: torch.Tensor | None = None  # bf16 weight packed for gemm_dot
+        self.dot_rows = sys.maxsize  # batches up to this many rows take gemm_dot
         self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_bf16_f32
         self.wide: tuple[torch.Tensor, torch.Tensor | None] | None = None  # float_out without brgemm
         self.int8: list[torch.Tensor] | None = None  # [packed, scale, shift] for gemm_int8
@@ -59,6 +68,12 @@ class Linear:
             if weight.shape[0] % 64 == 0 and weight.shape[1] % 64 == 0:
                 self.int8 = torch.ops.stallfree.pack_int8(weight)
         n, k = weight.shape
+        if weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 2 == 0 and dot_available():
+            self.dot = torch.ops.stallfree.pack_dot(weight)
+            if not cpu_build.has_amx():
+                return
+            # AMX tiles (oneDNN) beat the dot product past decode sizes: keep both
+            self.dot_rows = self.COMPACT_ROWS
         if self.float_out and weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
             self.vnni = torch.ops.stallfree.pack_bf16(weight)
         if weight.dtype in _PACKED and _has_mkldnn_linear():
@@ -70,9 +85,11 @@ class Linear:
             self.compact = compact_weight(weight, quantized)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b by oneDNN's prepacked weight or ``F.linear`` (every device)."""
+        """x W^T + b by the dot-product kernel, oneDNN's prepacked weight or ``F.linear`` (every device)."""
         if self.int8 is not None and x.dtype == torch.float32 and x.shape[0] > self.COMPACT_ROWS:
             return torch.ops.stallfree.gemm_int8(x.contiguous(), *self.int8, self.bias)
+        if self.dot is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= self.dot_rows:
+            return torch.ops.stallfree.gemm_dot(x, self.dot, self.bias, self.float_out)
         if self.float_out:
             if self.vnni is not None and x.dtype == torch.bfloat16:
                 return torch.ops.stallfree.gemm_bf16_f32(x, self.vnni, self.weight.shape[0], self.bias)
@@ -87,6 +104,11 @@ class Linear:
 def int8_available() -> bool:
     """Whether ``--compute int8`` can run here: the native kernels and an int8 brgemm (AMX-INT8 or VNNI)."""
     return cpu_build.status().backend == "native" and bool(torch.ops.stallfree.int8_brgemm())
+
+
+def dot_available() -> bool:
+    """Whether bf16 layers run on the AVX512-BF16 dot-product kernel here."""
+    return cpu_build.status().backend == "native" and bool(torch.ops.stallfree.dot_bf16())
 
 
 def _has_bf16_brgemm() -> bool:

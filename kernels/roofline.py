@@ -19,6 +19,7 @@ from kernels import cpu_build
 @dataclass(frozen=True, slots=True)
 class Roofline:
     fma_f32: float  # FLOP/s: vector FMAs in registers, the float32 peak
+    dot_bf16: float  # FLOP/s: AVX512-BF16's vdpbf16ps in registers; 0 where the build has none
     brgemm_f32: float  # FLOP/s: oneDNN's brgemm on cache-resident float32 operands
     brgemm_bf16: float  # FLOP/s: the same in bf16 (AMX tiles where present); 0 if none
     brgemm_int8: float  # OP/s: u8 x s8 (AMX-INT8 / VNNI); 0 if none
@@ -28,8 +29,20 @@ class Roofline:
         return asdict(self)
 
     def peak(self, dtype: torch.dtype) -> float:
-        """The FLOP/s a GEMM in ``dtype`` can reach here (the float32 FMA peak for float32)."""
-        return self.brgemm_bf16 if dtype == torch.bfloat16 and self.brgemm_bf16 else self.fma_f32
+        """The FLOP/s of the arithmetic a GEMM in ``dtype`` uses here: AMX tiles
+        (oneDNN's bf16 brgemm) where present, else the dot-product instruction,
+        else float32 FMAs (what a bf16 GEMM widens to without either)."""
+        if dtype == torch.bfloat16:
+            return self.brgemm_bf16 or self.dot_bf16 or self.fma_f32
+        return self.fma_f32
+
+    def arithmetic(self, dtype: torch.dtype) -> str:
+        """The name of the arithmetic behind :meth:`peak`, for records."""
+        if dtype == torch.bfloat16 and self.brgemm_bf16:
+            return "bf16 brgemm (AMX)"
+        if dtype == torch.bfloat16 and self.dot_bf16:
+            return "bf16 vdpbf16ps"
+        return "float32 FMA"
 
 
 def measure(seconds: float = 0.1, runs: int = 3) -> Roofline | None:

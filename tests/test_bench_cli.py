@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import cpu_build
 from tests.server import sim_server
 
 pytestmark = pytest.mark.slow  # load runs against live servers
@@ -157,7 +158,9 @@ def test_results_go_to_new_dated_files(tmp_path, monkeypatch):
     assert second.name == f"{first.name}-2"
     second.with_suffix(".md").write_text("")
     assert record.dated("compare").name == f"{first.name}-3"
-    assert record.machine()["isa"] in ("avx512", "avx2", "generic")
+    m = record.machine()
+    assert m["isa"] in cpu_build.ISAS and m["kind"] in (*cpu_build.ISAS, "amx")
+    assert f"kind {m['kind']}" in record.describe(m)
 
 
 def test_jobs_past_the_deadline_are_cancelled_and_count_as_errors():

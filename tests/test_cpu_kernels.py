@@ -69,11 +69,12 @@ def test_paged_attention_matches_the_reference(ops, kind, batch, seed):
 
 
 def test_the_tiles_run_on_brgemm_where_the_cpu_has_it(ops):
-    """AVX-512 builds run float32 tiles on brgemm; AMX machines bf16 ones too."""
+    """AVX-512 builds run float32 tiles on brgemm; bf16 ones run on AMX's brgemm
+    or the AVX512-BF16 dot-product kernel (the ``avx512-bf16`` build)."""
     expected = set()
-    if cpu_build.detect_isa() == "avx512":
+    if cpu_build.detect_isa().startswith("avx512"):
         expected.add(torch.float32)
-    if cpu_build.has_amx():
+    if cpu_build.detect_isa() == "avx512-bf16":
         expected.add(torch.bfloat16)
     assert ops.brgemm_dtypes() == expected
     with ops.hand_written_tiles():
@@ -182,6 +183,18 @@ def test_isa_detection_picks_the_best_available():
     assert cpu_build.detect_isa({"avx2", "fma", "f16c"}) == "avx2"
     assert cpu_build.detect_isa(set()) == "generic"
     assert cpu_build.has_amx({"amx_bf16", "amx_tile"}) and not cpu_build.has_amx({"avx512_bf16"})
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    assert cpu_build.detect_isa(zen4) == cpu_build.kind(zen4) == "avx512-bf16"
+    assert cpu_build.kind(zen4 | {"amx_bf16", "amx_tile"}) == "amx"
+
+
+def test_a_forced_isa_must_be_one_this_cpu_runs(monkeypatch):
+    avx2 = {"avx2", "fma", "f16c"}
+    monkeypatch.setenv("STALLFREE_CPU_ISA", "avx2")
+    assert cpu_build.detect_isa(avx2) == "avx2" and not cpu_build.has_amx()
+    monkeypatch.setenv("STALLFREE_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="STALLFREE_CPU_ISA=avx512: this CPU runs avx2, generic"):
+        cpu_build.detect_isa(avx2)
 
 
 @pytest.fixture(scope="module")
@@ -246,10 +259,11 @@ def test_the_roofline_probe_gives_sane_figures(ops):
     assert r is not None
     assert 1e9 < r.fma_f32 <= 2 * 16 * 2 * ghz
     assert 0 < r.brgemm_f32 <= 2 * 16 * 2 * ghz
-    assert 0 <= r.brgemm_bf16 <= 2 * 1024 * ghz and (r.brgemm_bf16 > 0) == cpu_build.has_amx()
+    assert 0 <= r.brgemm_bf16 <= 2 * 1024 * ghz and (r.brgemm_bf16 > 0) == cpu_build.has_amx(cpu_build.cpu_flags())
     assert 0 <= r.brgemm_int8 <= 2 * 2048 * ghz
     assert 1e8 < r.read_bw <= 500e9
-    assert r.peak(torch.bfloat16) == (r.brgemm_bf16 or r.fma_f32) and r.peak(torch.float32) == r.fma_f32
+    assert 0 <= r.dot_bf16 <= 2 * 2 * 16 * 2 * ghz and (r.dot_bf16 > 0) == (cpu_build.detect_isa() == "avx512-bf16")
+    assert r.peak(torch.bfloat16) == (r.brgemm_bf16 or r.dot_bf16 or r.fma_f32) and r.peak(torch.float32) == r.fma_f32
 
 
 @pytest.mark.skipif(not kernels.linear_int8_available(), reason="no int8 brgemm (AMX-INT8 / VNNI) on this CPU")
@@ -290,3 +304,40 @@ def test_int8_layers_leave_decode_sized_batches_exact(ops, compact):
     assert torch.equal(kernels.linear(int8, x), kernels.linear(plain, x))
     big = torch.randn(kernels.Linear.COMPACT_ROWS + 1, 64)
     assert not torch.equal(kernels.linear(int8, big), kernels.linear(plain, big))
+
+
+LESSER_ISAS = [
+    isa
+    for isa, (needs, _) in cpu_build.ISAS.items()
+    if isa not in (cpu_build.detect_isa(), "generic") and set(needs) <= cpu_build.cpu_flags()
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", LESSER_ISAS)
+def test_kernels_built_for_a_lesser_isa_match_the_reference(isa):
+    """The kinds this machine is not, as far as it can execute them: the
+    kernel property tests again on a build for that ISA (``STALLFREE_CPU_ISA``),
+    in a fresh interpreter (one build loads per process)."""
+    tests = [
+        "tests/test_cpu_kernels.py::test_paged_attention_matches_the_reference",
+        "tests/test_cpu_kernels.py::test_elementwise_ops_match_the_reference",
+        "tests/test_cpu_kernels.py::test_the_tiles_run_on_brgemm_where_the_cpu_has_it",
+        "tests/test_compact_gemm.py",
+        "tests/test_dot_gemm.py",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env={**os.environ, "STALLFREE_CPU_ISA": isa},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
+    code = "from kernels import cpu_build; print(cpu_build.status())"
+    built = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "STALLFREE_CPU_ISA": isa}, capture_output=True, text=True
+    )
+    assert built.stdout.strip() == f"native-{isa}"

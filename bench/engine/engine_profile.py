@@ -13,8 +13,8 @@ alternate run by run (A B A B ...). Each op the model calls through
 the rest is the embedding, metadata and Python. The linear layers' and
 attention's FLOPs are counted as they run, so each gets an achieved rate,
 reported as a fraction of this machine's measured peak (``kernels.roofline``,
-probed at the start and recorded): the float32 FMA peak in float32, the bf16
-brgemm peak in bf16. "End to end" is all those FLOPs over the whole
+probed at the start and recorded): the float32 FMA peak in float32, in bf16
+the arithmetic bf16 GEMMs use here (AMX's brgemm, else vdpbf16ps). "End to end" is all those FLOPs over the whole
 iteration. ``--kv-dtype bf16`` keeps the KV cache, and runs attention, in
 bf16 under float32 GEMMs; ``--compute int8`` runs the chunks' GEMMs in int8
 (rates still against the float32 peak). Writes bench/results/engine_profile-<date>.{json,md}.
@@ -232,8 +232,9 @@ def main() -> None:
     lines += [
         "",
         f"Achieved rates against this machine's measured peak (one thread): "
-        f"{peak / 1e9:.0f} GFLOP/s ({'bf16 brgemm' if peak != limits.fma_f32 else 'float32 FMA'}); "
-        f"float32 FMA {limits.fma_f32 / 1e9:.0f}, float32 brgemm {limits.brgemm_f32 / 1e9:.0f}, "
+        f"{peak / 1e9:.0f} GFLOP/s ({limits.arithmetic(dtype)}); "
+        f"float32 FMA {limits.fma_f32 / 1e9:.0f}, bf16 vdpbf16ps {limits.dot_bf16 / 1e9:.0f}, "
+        f"float32 brgemm {limits.brgemm_f32 / 1e9:.0f}, "
         f"bf16 brgemm {limits.brgemm_bf16 / 1e9:.0f} GFLOP/s, int8 {limits.brgemm_int8 / 1e9:.0f} GOP/s, "
         f"reads {limits.read_bw / 1e9:.1f} GB/s. Medians; GFLOP/s (% of peak).",
         "",

@@ -283,13 +283,16 @@ def format_profile(p: Profile, tpot_slo_ms: float | None = None) -> str:
         "  decodes  context  chunk  prefix  tokens  measured ms  simulated ms  error",
     ]
     if p.roofline:
-        bf16 = p.dtype == "bfloat16" and p.roofline["brgemm_bf16"]
-        peak = p.roofline["brgemm_bf16"] if bf16 else p.roofline["fma_f32"]
+        r = {"dot_bf16": 0.0} | p.roofline  # records from before the dot-product probe lack it
+        # the arithmetic a GEMM of this dtype uses here: AMX tiles, else vdpbf16ps, else float32 FMAs
+        peak, arithmetic = r["fma_f32"], "float32 FMA"
+        if p.dtype == "bfloat16" and (r["brgemm_bf16"] or r["dot_bf16"]):
+            peak, arithmetic = (r["brgemm_bf16"], "AMX") if r["brgemm_bf16"] else (r["dot_bf16"], "vdpbf16ps")
         lines[1:1] = [
-            f"measured limits of one thread: float32 FMA peak {p.roofline['fma_f32'] / 1e9:.0f} GFLOP/s, "
-            f"bf16 brgemm {p.roofline['brgemm_bf16'] / 1e9:.0f} GFLOP/s, int8 {p.roofline['brgemm_int8'] / 1e9:.0f} "
-            f"GOP/s, reads {p.roofline['read_bw'] / 1e9:.1f} GB/s; the fitted GEMM rate is "
-            f"{hw.flops / peak * 100:.0f}% of the {p.dtype} peak"
+            f"measured limits of one thread: float32 FMA peak {r['fma_f32'] / 1e9:.0f} GFLOP/s, "
+            f"bf16 vdpbf16ps {r['dot_bf16'] / 1e9:.0f}, bf16 brgemm {r['brgemm_bf16'] / 1e9:.0f} GFLOP/s, "
+            f"int8 {r['brgemm_int8'] / 1e9:.0f} GOP/s, reads {r['read_bw'] / 1e9:.1f} GB/s; the fitted GEMM "
+            f"rate is {hw.flops / peak * 100:.0f}% of the {p.dtype} peak ({arithmetic})"
         ]
     for pt, err in zip(p.points, p.errors_pct(), strict=True):
         lines.append(

@@ -16,7 +16,7 @@ from core.model.llama import LlamaModel
 from core.model.loader import LoadedModel
 from core.model.sampler import Sampler
 from core.sched.batch import Batch, Sampled
-from kernels import Linear, backend, build_attention_meta, roofline
+from kernels import Linear, backend, build_attention_meta, paths, roofline
 
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -84,6 +84,8 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.kernels = backend(device)  # e.g. native-avx2, triton, reference (why)
+        # the CPU's kind and each op's implementation, for the start-up log and records
+        self.kernel_paths = paths(self.dtype, self.kv_dtype) if device.type == "cpu" else {}
         # batches up to this many tokens read the compact decode weights (0: none)
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.layers[0].gate_up.compact is not None else 0
         self.load_s = time.perf_counter() - start

@@ -15,6 +15,9 @@
 // cpublas::brgemm: AMX tiles for bf16, AVX-512 FMA for float32), a prefill
 // tile's two products (Q K^T and P V) go through it instead: the hand-written
 // outer product reached a fraction of the FMA peak (bench.kernels.attention_kernels).
+// bf16 without AMX (AVX512-BF16 only: AMD Zen 4) has no oneDNN brgemm in
+// ATen; there the same tiles' products run on the dot-product kernel (dot.h)
+// in the same layouts.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -22,10 +25,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "dot.h"
 #include "vec.h"
 
 namespace sf {
@@ -268,6 +273,12 @@ void attend_tile(const T* q, int64_t q_row_stride, int G, int rows, int first_po
 // ---- prefill tiles through cpublas::brgemm ---------------------------------
 std::atomic<bool> g_brgemm_enabled{true};
 
+// ATen offers a bf16 brgemm with AMX only; a forced ISA (kernels/cpu_build.py) turns it off
+bool amx_brgemm() {
+  static const bool available = !std::getenv("STALLFREE_CPU_ISA") && at::native::cpublas::could_pack(at::kBFloat16);
+  return available;
+}
+
 template <typename T>
 bool brgemm_available() {
   if constexpr (std::is_same_v<T, float>) {
@@ -277,7 +288,7 @@ bool brgemm_available() {
     return false;
 #endif
   } else {
-    return at::native::cpublas::could_pack(at::kBFloat16);  // AMX / AVX512-BF16 ukernels
+    return amx_brgemm() || DOT;  // AMX tiles, else the dot-product kernel
   }
 }
 
@@ -303,6 +314,12 @@ void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* 
   if constexpr (std::is_same_v<T, float>) {
     at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, false);
   } else {
+#if defined(__AVX512BF16__)
+    if (!amx_brgemm()) {
+      const auto* a = reinterpret_cast<const uint16_t*>(A);
+      return dot_gemm_f32(M, N, K, a, lda, reinterpret_cast<const uint16_t*>(B), C, ldc, add);
+    }
+#endif
     at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, true);
   }
 }
@@ -524,7 +541,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int H = q.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
-  const bool brgemm = use_brgemm<T>();
+  // the dot-product kernel's tiles are 32 columns wide: P V's needs D >= 32
+  const bool brgemm = use_brgemm<T>() && (std::is_same_v<T, float> || amx_brgemm() || D % DOT_COLS == 0);
   const int rows_per_tile = std::max(1, (brgemm ? TILE_VECS_BRGEMM<T> : TILE_VECS) / G);
   std::vector<Work> work;
   for (int s = 0; s < S; ++s)
@@ -570,7 +588,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         }
       }
     }
-    if (tiles_used) at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);  // AMX tile state
+    if (tiles_used && (std::is_same_v<T, float> || amx_brgemm()))
+      at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);  // AMX tile state
   });
 }
 

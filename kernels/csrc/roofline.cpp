@@ -1,6 +1,7 @@
 // The machine's limits on one thread, measured: the roofline every kernel is
 // judged against (bench.engine.engine_profile, `stallfree profile`).
 //   fma_f32     independent vector FMAs in registers: the float32 FMA peak
+//   dot_bf16    the same with AVX512-BF16's vdpbf16ps (0 where the build has none)
 //   brgemm_*    oneDNN's brgemm micro-kernel on cache-resident operands, the
 //               rate the chunk path's products can reach per dtype (AMX tiles
 //               for bf16 and int8 where present; AVX-512 / AVX2 FMAs else)
@@ -56,6 +57,31 @@ double fma_f32(double seconds) {
   return r;
 }
 
+double dot_bf16(double seconds) {
+#if defined(__AVX512BF16__)
+  constexpr int A = 12;
+  constexpr int INNER = 1024;
+  volatile float sink = 0.f;
+  const double r = rate(seconds, 2.0 * 2 * A * 16 * INNER, [&](int64_t reps) {
+    __m512 acc[A];
+    for (int j = 0; j < A; ++j) acc[j] = _mm512_set1_ps(1.f + j * 1e-3f);
+    const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(-1e-3f));
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
+    for (int64_t i = 0; i < reps; ++i)
+      for (int k = 0; k < INNER; ++k)
+        for (int j = 0; j < A; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+    __m512 s = _mm512_setzero_ps();
+    for (int j = 0; j < A; ++j) s = _mm512_add_ps(s, acc[j]);
+    sink = sink + _mm512_reduce_add_ps(s);
+  });
+  (void)sink;
+  return r;
+#else
+  (void)seconds;
+  return 0.0;
+#endif
+}
+
 // M x N x K on operands that stay in L1/L2, B packed as the kernel wants it.
 template <typename TA, typename TB, typename TC>
 double brgemm_shape(double seconds, bool vnni, at::ScalarType b_type, int64_t M, int64_t N, int64_t K) {
@@ -102,10 +128,11 @@ double read_bw(double seconds) {
   return r;
 }
 
-// {fma_f32, brgemm_f32, brgemm_bf16, brgemm_int8, read_bw}; 0 where the machine has no such kernel.
+// {fma_f32, dot_bf16, brgemm_f32, brgemm_bf16, brgemm_int8, read_bw}; 0 where the machine has no such kernel.
 std::vector<double> roofline(double seconds) {
   return {
       fma_f32(seconds),
+      dot_bf16(seconds),
       brgemm_rate<float, float, float>(seconds, false, at::kFloat),
       brgemm_rate<c10::BFloat16, c10::BFloat16, float>(seconds, true, at::kBFloat16),
       brgemm_rate<uint8_t, int8_t, int32_t>(seconds, true, at::kChar),

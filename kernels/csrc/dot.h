@@ -1,0 +1,103 @@
+// The bf16 micro-kernel of AVX512-BF16's dot-product instruction, shared by
+// the linear layers (dot_gemm.cpp) and the prefill attention tiles
+// (attention.cpp). `vdpbf16ps` multiplies 16 pairs of bf16 and adds both
+// products to 16 float32 sums: twice a float32 FMA's arithmetic, neither
+// operand widened. A bf16 product is exact in float32, so only the order of
+// the sums differs from a float32 GEMM of the same values.
+//
+// B is in pairs along K ("VNNI"): element (k, n) at [k / 2][n][k % 2], rows
+// of pairs `ldb` columns wide. A register tile is R rows x 32 columns
+// (R <= 14: 28 accumulators, two B vectors, one broadcast pair of A).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace sf {
+
+#if defined(__AVX512BF16__)
+constexpr bool DOT = true;
+#else
+constexpr bool DOT = false;
+#endif
+
+constexpr int DOT_COLS = 32;  // columns of a register tile (two vectors)
+constexpr int DOT_ROWS = 14;  // most rows of a register tile
+
+#if defined(__AVX512BF16__)
+// acc[r] = sum over k pairs of A[r][2kp..2kp+1] . B[kp][0..32): rows of A `lda`
+// apart, rows of B pairs `ldb` columns wide.
+template <int R>
+inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k_pairs,
+                     __m512 (*acc)[2]) {
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + kp * 2 * ldb);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + kp * 2 * ldb + 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * kp, sizeof(pair));
+      const __m512bh ab = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ab, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ab, b1);
+    }
+  }
+}
+
+// C[R rows][32] (+)= A B for one register tile, C float32 rows `ldc` apart.
+template <int R>
+void dot_tile_f32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k_pairs, float* c,
+                  int64_t ldc, bool add) {
+  __m512 acc[R][2];
+  dot_tile<R>(a, lda, b, ldb, k_pairs, acc);
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    if (add) acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(cr));
+    if (add) acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(cr + 16));
+    _mm512_storeu_ps(cr, acc[r][0]), _mm512_storeu_ps(cr + 16, acc[r][1]);
+  }
+}
+
+template <template <int> class F, size_t... R>
+constexpr auto dot_tiles(std::index_sequence<R...>) {
+  return std::array{&F<R + 1>::run...};
+}
+
+// Calls tiles[n - 1](row0, n) for M rows in tiles of at most DOT_ROWS, as
+// equal as can be: a short tile costs nearly as much as a full one.
+template <typename Fn>
+inline void dot_row_tiles(int64_t M, Fn&& fn) {
+  const int64_t count = (M + DOT_ROWS - 1) / DOT_ROWS;
+  for (int64_t t = 0, r = 0; t < count; ++t) {
+    const int64_t n = (M - r + count - t - 1) / (count - t);
+    fn(r, static_cast<int>(n));
+    r += n;
+  }
+}
+
+template <int R>
+struct DotF32 {
+  static void run(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k_pairs, float* c,
+                  int64_t ldc, bool add) {
+    dot_tile_f32<R>(a, lda, b, ldb, k_pairs, c, ldc, add);
+  }
+};
+
+// C[M][N] (+)= A[M][K] B[K][N] with A bf16 row-major, B bf16 in pairs along
+// K ([K/2][N][2]), C float32 row-major; N a multiple of 32, K even.
+inline void dot_gemm_f32(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
+                         float* c, int64_t ldc, bool add) {
+  static constexpr auto tiles = dot_tiles<DotF32>(std::make_index_sequence<DOT_ROWS>{});
+  for (int64_t n0 = 0; n0 < N; n0 += DOT_COLS)
+    dot_row_tiles(M, [&](int64_t r, int n) {
+      tiles[n - 1](a + r * lda, lda, b + 2 * n0, N, K / 2, c + r * ldc + n0, ldc, add);
+    });
+}
+#endif
+
+}  // namespace sf
