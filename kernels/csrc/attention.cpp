@@ -132,15 +132,15 @@ void attend_decode(const T* q, int64_t q_head_stride, const T* kc, const T* vc, 
     std::copy(next, next + n, off);
     std::fill(off + n, off + padded, off[n - 1]);  // valid rows to load; their scores are masked
     // The cache is cold here (the weights streamed through since the last iteration): ask for
-    // the next tile's rows now, so their misses overlap this tile's work instead of stalling it.
-    const int m = std::min(TK, seq_len - t0 - TK);
-    if (m > 0) {
-      c.offsets(t0 + TK, m, next);
-      for (int t = 0; t < m; ++t) prefetch_row<T, D>(kc + next[t]), prefetch_row<T, D>(vc + next[t]);
-    }
+    // the next tile's rows while this one is worked on, one K row beside each K row read and
+    // one V row beside each V row, so their misses overlap this tile's work. A burst of them
+    // at the tile's start filled the miss buffers and stalled on them (perf: a third of the loop).
+    const int m = std::max(0, std::min(TK, seq_len - t0 - TK));
+    if (m > 0) c.offsets(t0 + TK, m, next);
     for (int j0 = 0; j0 < padded; j0 += W) {
       vf d[G][W];
       for (int j = 0; j < W; ++j) {
+        if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j]);
         const T* k = kc + off[j0 + j];
         vf kr[D / W];
         for (int i = 0; i < D / W; ++i) kr[i] = load(k + i * W);
@@ -170,6 +170,7 @@ void attend_decode(const T* q, int64_t q_head_stride, const T* kc, const T* vc, 
       for (int i = 0; i < D / W; ++i) acc[g][i] *= corr;
     }
     for (int t = 0; t < n; ++t) {
+      if (t < m) prefetch_row<T, D>(vc + next[t]);
       const T* v = vc + off[t];
       vf vr[D / W];
       for (int i = 0; i < D / W; ++i) vr[i] = load(v + i * W);
