@@ -34,8 +34,9 @@ def machine() -> dict[str, object]:
 
 def describe(m: dict[str, object]) -> str:
     bf16 = "AMX" if m["amx"] else ("AVX-512 BF16" if m["avx512_bf16"] else "no bf16 instructions")
-    kind = f"kind {m['kind']}, " if "kind" in m else ""
-    return f"{m['cpu']}, {m['cores']} cores, {kind}{m['isa']} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
+    kind = m.get("kind", m["isa"])
+    isa = f"kind {kind}" + (f", build {m['isa']}" if kind != m["isa"] else "")
+    return f"{m['cpu']}, {m['cores']} cores, {isa} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
 
 
 def dated(stem: str) -> Path:

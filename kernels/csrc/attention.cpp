@@ -105,24 +105,30 @@ struct Acc {
   }
 };
 
-// One decode token: G query vectors against the whole sequence. Scores are
-// dot products straight from the cache rows, W tokens at a time, their
-// horizontal sums done together by one transpose-and-add (reduce_lanes).
-// G is a template argument, so each K and V row is loaded (and widened) once
-// for all G query vectors and their accumulators stay in registers: the row
-// loads, not the FMAs, were the cost of the loop taking one vector at a time.
+// One decode token against its whole sequence, every KV head, tile by tile:
+// within a tile the heads go one after the other, so the cache is read in
+// address order ([block][token][kv head][D]: a token's heads are adjacent)
+// and each line fetched is used whole. A work item per (sequence, KV head)
+// read 128 of every 384 bytes per pass and ran at a third of the read
+// bandwidth. Scores are dot products straight from the cache rows, W tokens
+// at a time, their horizontal sums done together by one transpose-and-add
+// (reduce_lanes). G (query heads per slice of a KV head's group) is a
+// template argument: each K and V row is loaded (and widened) once for all
+// G query vectors, their accumulators in registers for the tile; between
+// tiles each head's softmax state waits in memory.
 template <typename T, int D, int G>
-void attend_decode(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const Cache& c, int seq_len,
-                   float scale, T* out, int64_t out_head_stride) {
-  vf qv[G][D / W];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < D / W; ++i) qv[g][i] = load(q + g * q_head_stride + i * W) * scale;
-  float max[G], sum[G];
-  vf acc[G][D / W];
-  for (int g = 0; g < G; ++g) {
-    max[g] = NEG_INF, sum[g] = 0.f;
-    for (int i = 0; i < D / W; ++i) acc[g][i] = vf{};
-  }
+void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache& c, int kv_heads, int seq_len,
+                   float scale, T* out) {
+  struct State {
+    float max[G], sum[G];
+    vf o[G][D / W];
+  };
+  std::vector<State> state(kv_heads);
+  for (State& st : state)
+    for (int g = 0; g < G; ++g) {
+      st.max[g] = NEG_INF, st.sum[g] = 0.f;
+      for (int i = 0; i < D / W; ++i) st.o[g][i] = vf{};
+    }
   alignas(64) float s[G][TK];
   int64_t off[TK], next[TK];
   c.offsets(0, std::min(TK, seq_len), next);
@@ -132,75 +138,88 @@ void attend_decode(const T* q, int64_t q_head_stride, const T* kc, const T* vc, 
     std::copy(next, next + n, off);
     std::fill(off + n, off + padded, off[n - 1]);  // valid rows to load; their scores are masked
     // The cache is cold here (the weights streamed through since the last iteration): ask for
-    // the next tile's rows while this one is worked on, one K row beside each K row read and
-    // one V row beside each V row, so their misses overlap this tile's work. A burst of them
-    // at the tile's start filled the miss buffers and stalled on them (perf: a third of the loop).
+    // the next tile's rows while this one is worked on, one row beside each row read, so their
+    // misses overlap this tile's work. A burst at the tile's start filled the miss buffers and
+    // stalled on them (perf: a third of the loop).
     const int m = std::max(0, std::min(TK, seq_len - t0 - TK));
     if (m > 0) c.offsets(t0 + TK, m, next);
-    for (int j0 = 0; j0 < padded; j0 += W) {
-      vf d[G][W];
-      for (int j = 0; j < W; ++j) {
-        if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j]);
-        const T* k = kc + off[j0 + j];
-        vf kr[D / W];
-        for (int i = 0; i < D / W; ++i) kr[i] = load(k + i * W);
+    for (int h = 0; h < kv_heads; ++h) {
+      const int64_t ho = static_cast<int64_t>(h) * D;
+      State& st = state[h];
+      vf qv[G][D / W], acc[G][D / W];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < D / W; ++i) {
+          qv[g][i] = load(q + (h * group + g) * D + i * W) * scale;
+          acc[g][i] = st.o[g][i];
+        }
+      for (int j0 = 0; j0 < padded; j0 += W) {
+        vf d[G][W];
+        for (int j = 0; j < W; ++j) {
+          if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j] + ho);
+          const T* k = kc + off[j0 + j] + ho;
+          vf kr[D / W];
+          for (int i = 0; i < D / W; ++i) kr[i] = load(k + i * W);
+          for (int g = 0; g < G; ++g) {
+            vf x = qv[g][0] * kr[0];
+            for (int i = 1; i < D / W; ++i) x += qv[g][i] * kr[i];
+            d[g][j] = x;
+          }
+        }
+        for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]));
+      }
+      for (int g = 0; g < G; ++g) {  // online softmax: the tile's probabilities, the running sums rescaled
+        std::fill(s[g] + n, s[g] + padded, NEG_INF);
+        vf mv = splat(st.max[g]);
+        for (int t = 0; t < padded; t += W) mv = vmax(mv, load(s[g] + t));
+        const float mx = hmax(mv);
+        const float corr = std::exp(st.max[g] - mx);
+        st.max[g] = mx;
+        vf add{};
+        for (int t = 0; t < padded; t += W) {
+          const vf x = load(s[g] + t);
+          const vf e = x == NEG_INF ? vf{} : vexp(x - mx);
+          store(s[g] + t, e);
+          add += e;
+        }
+        st.sum[g] = st.sum[g] * corr + hsum(add);
+        for (int i = 0; i < D / W; ++i) acc[g][i] *= corr;
+      }
+      for (int t = 0; t < n; ++t) {
+        if (t < m) prefetch_row<T, D>(vc + next[t] + ho);
+        const T* v = vc + off[t] + ho;
+        vf vr[D / W];
+        for (int i = 0; i < D / W; ++i) vr[i] = load(v + i * W);
         for (int g = 0; g < G; ++g) {
-          vf x = qv[g][0] * kr[0];
-          for (int i = 1; i < D / W; ++i) x += qv[g][i] * kr[i];
-          d[g][j] = x;
+          const vf p = splat(s[g][t]);
+          for (int i = 0; i < D / W; ++i) acc[g][i] += p * vr[i];
         }
       }
-      for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]));
-    }
-    for (int g = 0; g < G; ++g) {  // online softmax: the tile's probabilities, the running sums rescaled
-      std::fill(s[g] + n, s[g] + padded, NEG_INF);
-      vf mv = splat(max[g]);
-      for (int t = 0; t < padded; t += W) mv = vmax(mv, load(s[g] + t));
-      const float m = hmax(mv);
-      const float corr = std::exp(max[g] - m);
-      max[g] = m;
-      vf add{};
-      for (int t = 0; t < padded; t += W) {
-        const vf x = load(s[g] + t);
-        const vf e = x == NEG_INF ? vf{} : vexp(x - m);
-        store(s[g] + t, e);
-        add += e;
-      }
-      sum[g] = sum[g] * corr + hsum(add);
-      for (int i = 0; i < D / W; ++i) acc[g][i] *= corr;
-    }
-    for (int t = 0; t < n; ++t) {
-      if (t < m) prefetch_row<T, D>(vc + next[t]);
-      const T* v = vc + off[t];
-      vf vr[D / W];
-      for (int i = 0; i < D / W; ++i) vr[i] = load(v + i * W);
-      for (int g = 0; g < G; ++g) {
-        const vf p = splat(s[g][t]);
-        for (int i = 0; i < D / W; ++i) acc[g][i] += p * vr[i];
-      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < D / W; ++i) st.o[g][i] = acc[g][i];
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
-    for (int i = 0; i < D / W; ++i) store(out + g * out_head_stride + i * W, acc[g][i] * inv);
-  }
+  for (int h = 0; h < kv_heads; ++h)
+    for (int g = 0; g < G; ++g) {
+      const float inv = state[h].sum[g] > 0.f ? 1.f / state[h].sum[g] : 0.f;
+      for (int i = 0; i < D / W; ++i) store(out + (h * group + g) * D + i * W, state[h].o[g][i] * inv);
+    }
 }
 
-// Query heads per KV head, as a template argument up to 16 (the check in paged_attention).
+// Query heads per KV head (`group`), as a template argument up to 8; wider
+// groups in slices of 8 (each slice reads the rows again). q and out: the
+// token's [kv_heads * group][D].
 template <typename T, int D>
-void attend_decode(const T* q, int64_t q_head_stride, int G, const T* kc, const T* vc, const Cache& c, int seq_len,
-                   float scale, T* out, int64_t out_head_stride) {
-  switch (G) {
-#define SF_GROUP(N) \
-  case N:           \
-    return attend_decode<T, D, N>(q, q_head_stride, kc, vc, c, seq_len, scale, out, out_head_stride);
-    SF_GROUP(1) SF_GROUP(2) SF_GROUP(3) SF_GROUP(4) SF_GROUP(5) SF_GROUP(6) SF_GROUP(7) SF_GROUP(8)
+void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache& c, int kv_heads, int seq_len,
+                   float scale, T* out) {
+  for (int g0 = 0; g0 < group; g0 += 8) {
+    switch (std::min(8, group - g0)) {
+#define SF_GROUP(N)                                                                                  \
+  case N:                                                                                            \
+    attend_decode<T, D, N>(q + g0 * D, group, kc, vc, c, kv_heads, seq_len, scale, out + g0 * D); \
+    break;
+      SF_GROUP(1) SF_GROUP(2) SF_GROUP(3) SF_GROUP(4) SF_GROUP(5) SF_GROUP(6) SF_GROUP(7) SF_GROUP(8)
 #undef SF_GROUP
-    default:  // wider groups: in slices of 8 (each slice reads the rows again)
-      for (int g0 = 0; g0 < G; g0 += 8) {
-        attend_decode<T, D>(q + g0 * q_head_stride, q_head_stride, std::min(8, G - g0), kc, vc, c, seq_len, scale,
-                            out + g0 * out_head_stride, out_head_stride);
-      }
+    }
   }
 }
 
@@ -546,9 +565,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const bool brgemm = use_brgemm<T>() && (std::is_same_v<T, float> || amx_brgemm() || D % DOT_COLS == 0);
   const int rows_per_tile = std::max(1, (brgemm ? TILE_VECS_BRGEMM<T> : TILE_VECS) / G);
   std::vector<Work> work;
-  for (int s = 0; s < S; ++s)
+  for (int s = 0; s < S; ++s) {
+    if (qs[s + 1] - qs[s] == 1) {
+      work.push_back({s, 0, qs[s], 1});  // a decode: every KV head in one item
+      continue;
+    }
     for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile)
       for (int h = 0; h < KVH; ++h) work.push_back({s, h, r, std::min(rows_per_tile, qs[s + 1] - r)});
+  }
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
@@ -578,7 +602,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const T* qw = qp + w.row0 * q_row + head0 * q_head;
       T* ow = op + w.row0 * o_row + head0 * D;
       if (q_len == 1) {
-        attend_decode<T, D>(qw, q_head, G, kc, vc, c, lens[w.seq], sc, ow, D);
+        attend_decode<T, D>(qw, G, kc, vc, c, KVH, lens[w.seq], sc, ow);
       } else {
         const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
         if (brgemm) {
