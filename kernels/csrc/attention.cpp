@@ -105,6 +105,108 @@ struct Acc {
   }
 };
 
+// A decode's arithmetic on one KV head's rows, for G query vectors, in
+// float32 FMAs: rows widened to float32, q pre-scaled.
+template <typename T, int D, int G>
+struct FmaRows {
+  vf qv[G][D / W];
+
+  void query(const T* q, float scale) {
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < D / W; ++i) qv[g][i] = load(q + g * D + i * W) * scale;
+  }
+  // d[g][j]: lane partials of q_g . k_j for W rows (summed by reduce_lanes), then scaled
+  template <typename Row, typename Fetch>
+  void scores(Row row, Fetch fetch, vf (*d)[W]) const {
+    for (int j = 0; j < W; ++j) {
+      fetch(j);
+      const T* k = row(j);
+      vf kr[D / W];
+      for (int i = 0; i < D / W; ++i) kr[i] = load(k + i * W);
+      for (int g = 0; g < G; ++g) {
+        vf x = qv[g][0] * kr[0];
+        for (int i = 1; i < D / W; ++i) x += qv[g][i] * kr[i];
+        d[g][j] = x;
+      }
+    }
+  }
+  static constexpr float score_scale(float) { return 1.f; }
+  // acc[g] += sum over t < n of p[g][t] v_t
+  template <typename Row, typename Fetch>
+  static void values(Row row, Fetch fetch, int n, const float (*p)[TK], vf (*acc)[D / W]) {
+    for (int t = 0; t < n; ++t) {
+      fetch(t);
+      const T* v = row(t);
+      vf vr[D / W];
+      for (int i = 0; i < D / W; ++i) vr[i] = load(v + i * W);
+      for (int g = 0; g < G; ++g) {
+        const vf pt = splat(p[g][t]);
+        for (int i = 0; i < D / W; ++i) acc[g][i] += pt * vr[i];
+      }
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// The same on AVX512-BF16's dot product, bf16 rows as they are: a score is
+// D/32 vdpbf16ps over pairs along d (q unrounded bf16, the scale applied to
+// the float32 score); P V takes two tokens at a time, their rows interleaved
+// into pairs along the token axis and the two probabilities rounded to bf16
+// (as the prefill tiles' P V does). Per row: a third of the FMA path's
+// instructions for the scores, half for P V.
+template <int D, int G>
+struct DotRows {
+  __m512bh qb[G][D / 32];
+
+  void query(const c10::BFloat16* q, float) {
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < D / 32; ++i) qb[g][i] = (__m512bh)_mm512_loadu_si512(q + g * D + i * 32);
+  }
+  template <typename Row, typename Fetch>
+  void scores(Row row, Fetch fetch, vf (*d)[W]) const {
+    for (int j = 0; j < W; ++j) {
+      fetch(j);
+      const c10::BFloat16* k = row(j);
+      __m512bh kr[D / 32];
+      for (int i = 0; i < D / 32; ++i) kr[i] = (__m512bh)_mm512_loadu_si512(k + i * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kr[0]);
+        for (int i = 1; i < D / 32; ++i) x = _mm512_dpbf16_ps(x, qb[g][i], kr[i]);
+        d[g][j] = (vf)x;
+      }
+    }
+  }
+  static constexpr float score_scale(float scale) { return scale; }
+  template <typename Row, typename Fetch>
+  static void values(Row row, Fetch fetch, int n, const float (*p)[TK], vf (*acc)[D / W]) {
+    // word 2k of a pair vector: row a's d = k, word 2k + 1: row b's (16 d a vector)
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int t = 0; t < n; t += 2) {  // an odd n pairs its last row with a row whose p is 0 (padded)
+      fetch(t), fetch(t + 1);
+      const c10::BFloat16 *a = row(t), *b = row(t + 1);
+      __m512bh vp[D / 16];
+      for (int i = 0; i < D / 32; ++i) {
+        const __m512i x = _mm512_loadu_si512(a + i * 32), y = _mm512_loadu_si512(b + i * 32);
+        vp[2 * i] = (__m512bh)_mm512_permutex2var_epi16(x, lo, y);
+        vp[2 * i + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m128bh pair = _mm_cvtneps_pbh(_mm_set_ps(0.f, 0.f, p[g][t + 1], p[g][t]));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(_mm_cvtsi128_si32((__m128i)pair));
+        for (int i = 0; i < D / W; ++i) acc[g][i] = (vf)_mm512_dpbf16_ps((__m512)acc[g][i], pp, vp[i]);
+      }
+    }
+  }
+};
+#endif
+
+template <typename T, int D, int G>
+constexpr bool dot_decode() {
+  return DOT && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+}
+
 // One decode token against its whole sequence, every KV head, tile by tile:
 // within a tile the heads go one after the other, so the cache is read in
 // address order ([block][token][kv head][D]: a token's heads are adjacent)
@@ -113,10 +215,11 @@ struct Acc {
 // bandwidth. Scores are dot products straight from the cache rows, W tokens
 // at a time, their horizontal sums done together by one transpose-and-add
 // (reduce_lanes). G (query heads per slice of a KV head's group) is a
-// template argument: each K and V row is loaded (and widened) once for all
-// G query vectors, their accumulators in registers for the tile; between
-// tiles each head's softmax state waits in memory.
-template <typename T, int D, int G>
+// template argument: each K and V row is loaded once for all G query
+// vectors, their accumulators in registers for the tile; between tiles each
+// head's softmax state waits in memory. `Rows` is the arithmetic: FmaRows, or
+// DotRows for bf16 where the build has AVX512-BF16.
+template <typename T, int D, int G, typename Rows>
 void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache& c, int kv_heads, int seq_len,
                    float scale, T* out) {
   struct State {
@@ -130,13 +233,14 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
       for (int i = 0; i < D / W; ++i) st.o[g][i] = vf{};
     }
   alignas(64) float s[G][TK];
-  int64_t off[TK], next[TK];
+  int64_t off[TK + 1], next[TK];
   c.offsets(0, std::min(TK, seq_len), next);
+  const vf score_scale = splat(Rows::score_scale(scale));
   for (int t0 = 0; t0 < seq_len; t0 += TK) {
     const int n = std::min(TK, seq_len - t0);
     const int padded = (n + W - 1) / W * W;
     std::copy(next, next + n, off);
-    std::fill(off + n, off + padded, off[n - 1]);  // valid rows to load; their scores are masked
+    std::fill(off + n, off + padded + 1, off[n - 1]);  // valid rows to load; their scores are masked
     // The cache is cold here (the weights streamed through since the last iteration): ask for
     // the next tile's rows while this one is worked on, one row beside each row read, so their
     // misses overlap this tile's work. A burst at the tile's start filled the miss buffers and
@@ -146,26 +250,19 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
     for (int h = 0; h < kv_heads; ++h) {
       const int64_t ho = static_cast<int64_t>(h) * D;
       State& st = state[h];
-      vf qv[G][D / W], acc[G][D / W];
+      Rows rows;
+      rows.query(q + h * group * D, scale);
+      vf acc[G][D / W];
       for (int g = 0; g < G; ++g)
-        for (int i = 0; i < D / W; ++i) {
-          qv[g][i] = load(q + (h * group + g) * D + i * W) * scale;
-          acc[g][i] = st.o[g][i];
-        }
+        for (int i = 0; i < D / W; ++i) acc[g][i] = st.o[g][i];
       for (int j0 = 0; j0 < padded; j0 += W) {
         vf d[G][W];
-        for (int j = 0; j < W; ++j) {
-          if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j] + ho);
-          const T* k = kc + off[j0 + j] + ho;
-          vf kr[D / W];
-          for (int i = 0; i < D / W; ++i) kr[i] = load(k + i * W);
-          for (int g = 0; g < G; ++g) {
-            vf x = qv[g][0] * kr[0];
-            for (int i = 1; i < D / W; ++i) x += qv[g][i] * kr[i];
-            d[g][j] = x;
-          }
-        }
-        for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]));
+        rows.scores([&](int j) { return kc + off[j0 + j] + ho; },
+                    [&](int j) {
+                      if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j] + ho);
+                    },
+                    d);
+        for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]) * score_scale);
       }
       for (int g = 0; g < G; ++g) {  // online softmax: the tile's probabilities, the running sums rescaled
         std::fill(s[g] + n, s[g] + padded, NEG_INF);
@@ -184,16 +281,11 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
         st.sum[g] = st.sum[g] * corr + hsum(add);
         for (int i = 0; i < D / W; ++i) acc[g][i] *= corr;
       }
-      for (int t = 0; t < n; ++t) {
-        if (t < m) prefetch_row<T, D>(vc + next[t] + ho);
-        const T* v = vc + off[t] + ho;
-        vf vr[D / W];
-        for (int i = 0; i < D / W; ++i) vr[i] = load(v + i * W);
-        for (int g = 0; g < G; ++g) {
-          const vf p = splat(s[g][t]);
-          for (int i = 0; i < D / W; ++i) acc[g][i] += p * vr[i];
-        }
-      }
+      Rows::values([&](int t) { return vc + off[t] + ho; },
+                   [&](int t) {
+                     if (t < m) prefetch_row<T, D>(vc + next[t] + ho);
+                   },
+                   n, s, acc);
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D / W; ++i) st.o[g][i] = acc[g][i];
     }
@@ -203,6 +295,16 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
       const float inv = state[h].sum[g] > 0.f ? 1.f / state[h].sum[g] : 0.f;
       for (int i = 0; i < D / W; ++i) store(out + (h * group + g) * D + i * W, state[h].o[g][i] * inv);
     }
+}
+
+template <typename T, int D, int G>
+void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache& c, int kv_heads, int seq_len,
+                   float scale, T* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (dot_decode<T, D, G>())
+    return attend_decode<T, D, G, DotRows<D, G>>(q, group, kc, vc, c, kv_heads, seq_len, scale, out);
+#endif
+  attend_decode<T, D, G, FmaRows<T, D, G>>(q, group, kc, vc, c, kv_heads, seq_len, scale, out);
 }
 
 // Query heads per KV head (`group`), as a template argument up to 8; wider
