@@ -25,6 +25,8 @@ def machine() -> dict[str, object]:
         "cpu": model,
         "cores": os.cpu_count(),
         "kind": cpu_build.kind(),
+        # a kind this machine is not, approximated: stallfree's ISA forced, oneDNN's capped
+        "emulated": {v: os.environ[v] for v in ("STALLFREE_CPU_ISA", "ONEDNN_MAX_CPU_ISA") if os.environ.get(v)},
         "isa": cpu_build.detect_isa(),
         "amx": cpu_build.has_amx(),
         "avx512_bf16": "avx512_bf16" in cpu_build.cpu_flags(),
@@ -36,6 +38,8 @@ def describe(m: dict[str, object]) -> str:
     bf16 = "AMX" if m["amx"] else ("AVX-512 BF16" if m["avx512_bf16"] else "no bf16 instructions")
     kind = m.get("kind", m["isa"])
     isa = f"kind {kind}" + (f", build {m['isa']}" if kind != m["isa"] else "")
+    if m.get("emulated"):
+        isa += " (a capped emulation: " + ", ".join(f"{k}={v}" for k, v in m["emulated"].items()) + ")"
     return f"{m['cpu']}, {m['cores']} cores, {isa} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
 
 

@@ -197,6 +197,16 @@ def test_a_forced_isa_must_be_one_this_cpu_runs(monkeypatch):
         cpu_build.detect_isa(avx2)
 
 
+@pytest.mark.skipif("avx2" not in cpu_build.cpu_flags(), reason="the CPU cannot execute an AVX2 build")
+def test_the_default_dtype_follows_the_kind_a_forced_isa_names(monkeypatch):
+    """--dtype auto is bf16 on the kinds with bf16 arithmetic only, so an
+    emulated AVX2 machine runs float32 as a real one would."""
+    from core.model.model_runner import resolve_dtype
+
+    monkeypatch.setenv("STALLFREE_CPU_ISA", "avx2")
+    assert cpu_build.kind() == "avx2" and resolve_dtype("auto", CPU) == torch.float32
+
+
 @pytest.fixture(scope="module")
 def smollm():
     return load_model(None)
