@@ -38,8 +38,9 @@ def describe(m: dict[str, object]) -> str:
     bf16 = "AMX" if m["amx"] else ("AVX-512 BF16" if m["avx512_bf16"] else "no bf16 instructions")
     kind = m.get("kind", m["isa"])
     isa = f"kind {kind}" + (f", build {m['isa']}" if kind != m["isa"] else "")
-    if m.get("emulated"):
-        isa += " (a capped emulation: " + ", ".join(f"{k}={v}" for k, v in m["emulated"].items()) + ")"
+    emulated = m.get("emulated")
+    if isinstance(emulated, dict) and emulated:
+        isa += " (a capped emulation: " + ", ".join(f"{k}={v}" for k, v in emulated.items()) + ")"
     return f"{m['cpu']}, {m['cores']} cores, {isa} ({bf16}); stallfree CPU kernels: {m['cpu_kernels']}"
 
 

@@ -1,11 +1,16 @@
 """Every linear layer of the embedded model once (one decode step's GEMMs),
-compact weights (the native kernels) vs oneDNN's prepacked float32 weights.
+the native kernels vs oneDNN's prepacked weights.
 
-    .venv/bin/python -m bench.kernels.linear_kernels [--repeats 7] [--threads 1]
+    .venv/bin/python -m bench.kernels.linear_kernels [--repeats 7] [--threads 1] [--dtype float32]
 
-The model's 121 weights (~540 MB in float32) do not fit any cache, so each
-pass streams them from memory as a decode step does. Rows = sequences in the
-batch. The crossover sets ``kernels.Linear.COMPACT_ROWS``. Writes a new
+float32: compact weights (the native kernels) vs oneDNN's prepacked float32
+weights over all 121 weights (~540 MB, more than any cache, so each pass
+streams them from memory as a decode step does); the crossover sets
+``kernels.Linear.COMPACT_ROWS``. bf16 (where the build has AVX512-BF16): the
+120 bf16 body weights (the head stays float32) on the dot-product kernel vs
+oneDNN's prepacked bf16 GEMM, with the dot kernel's GFLOP/s against the
+``vdpbf16ps`` peak the roofline probe measures first. Rows = sequences in
+the batch (chunk sizes at the end). Writes a new
 bench/results/linear_kernels-<date>.{json,md}.
 """
 
@@ -16,6 +21,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,16 +32,39 @@ from core.model.llama import LlamaModel
 from core.model.loader import load_model
 
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BF16_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+Path = Callable[[kernels.Linear, torch.Tensor], torch.Tensor]
+
+
+def bf16_paths(model: LlamaModel) -> tuple[list[kernels.Linear], dict[str, Path], float]:
+    """(layers, {name: one layer's call}, total weights) for the bf16 comparison."""
+    layers = [getattr(lay, n) for lay in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    if any(lay.dot is None for lay in layers):
+        sys.exit("the dot-product kernel does not run here (it needs the avx512-bf16 build)")
+    packed = {id(lay): torch.ops.mkldnn._reorder_linear_weight(lay.weight, 64) for lay in layers}
+
+    def onednn(lay: kernels.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed[id(lay)], lay.bias, "none", [], "")
+
+    def dot(lay: kernels.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.stallfree.gemm_dot(x, lay.dot, lay.bias, lay.float_out)
+
+    return layers, {"onednn": onednn, "dot": dot}, float(sum(lay.weight.numel() for lay in layers))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if kernels.native_cpu() is None:
         sys.exit(f"the native kernels are not available here: {kernels.backend(torch.device('cpu'))}")
+    if args.dtype == "bf16":
+        return bf16_main(args)
     loaded = load_model()
     model = LlamaModel(loaded.config, loaded.weights, torch.float32, torch.device("cpu"), loaded.quantized)
     layers = [model.lm_head] + [getattr(lay, n) for lay in model.layers for n in ("qkv", "o", "gate_up", "down")]
@@ -91,6 +121,72 @@ def main() -> None:
         for r in results
     ]
     lines += table(["rows", "oneDNN fp32 ms", "compact ms", "speed-up"], cells, "rrrr")
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def bf16_main(args: argparse.Namespace) -> None:
+    from kernels import roofline
+
+    limits = roofline.measure()
+    peak = limits.dot_bf16 if limits else 0.0
+    loaded = load_model()
+    model = LlamaModel(loaded.config, loaded.weights, torch.bfloat16, torch.device("cpu"), loaded.quantized)
+    layers, paths, weights = bf16_paths(model)
+
+    def one_pass(rows: int, name: str) -> float:
+        xs = {k: torch.randn(rows, k).bfloat16() for k in {lay.weight.shape[1] for lay in layers}}
+        call = paths[name]
+        start = time.perf_counter()
+        for lay in layers:
+            call(lay, xs[lay.weight.shape[1]])
+        return time.perf_counter() - start
+
+    results: list[dict[str, Any]] = []
+    for rows in BF16_ROWS:
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for rep in range(args.repeats + 1):  # alternate; the first pass of each warms up
+            for name in times:
+                t = one_pass(rows, name)
+                if rep:
+                    times[name].append(t)
+        ratios = [a / b for a, b in zip(times["onednn"], times["dot"], strict=True)]
+        dot_s = statistics.median(times["dot"])
+        results.append(
+            {
+                "rows": rows,
+                "onednn_ms": statistics.median(times["onednn"]) * 1e3,
+                "dot_ms": dot_s * 1e3,
+                "dot_gflops": 2 * rows * weights / dot_s / 1e9,
+                "speedup": statistics.median(ratios),
+                "speedup_range": (min(ratios), max(ratios)),
+            }
+        )
+    m = machine()
+    command = f"python -m bench.kernels.linear_kernels {' '.join(sys.argv[1:])}".strip()
+    base = dated("linear_kernels")
+    record = {"command": command, "machine": m, "dot_bf16_peak": peak, "weights": weights}
+    base.with_suffix(".json").write_text(json.dumps(record | {"rows": results}, indent=2))
+    lines = [
+        "# One decode step's bf16 linear layers: the vdpbf16ps kernel vs oneDNN bf16",
+        "",
+        f"`{command}` on {describe(m)}; {args.threads} thread(s); embedded model, the 120 bf16 body weights "
+        f"per pass ({weights * 2 / 2**20:.0f} MB; the head stays float32); medians of {args.repeats} alternating "
+        f"passes, speed-up = oneDNN / dot per pass [min–max]; % of the {peak / 1e9:.0f} GFLOP/s vdpbf16ps peak "
+        "probed first (cache-resident registers; a pass streams its weights from memory).",
+        "",
+    ]
+    cells = [
+        [
+            r["rows"],
+            f"{r['onednn_ms']:.1f}",
+            f"{r['dot_ms']:.1f}",
+            f"{r['dot_gflops']:.0f} ({r['dot_gflops'] * 1e9 / peak * 100:.0f}%)" if peak else f"{r['dot_gflops']:.0f}",
+            f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]",
+        ]
+        for r in results
+    ]
+    lines += table(["rows", "oneDNN bf16 ms", "dot ms", "dot GFLOP/s (% of peak)", "speed-up"], cells, "rrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
