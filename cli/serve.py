@@ -14,6 +14,7 @@ from cli.options import add_model_args, add_scheduler_args, model_settings, sche
 from core.cluster.router import ROUTERS
 
 if TYPE_CHECKING:
+    from core.model.model_runner import ModelRunner
     from core.model.tokenizer import Tokenizer
     from core.sched.config import SchedulerConfig
     from gateway.backend import EngineBackend
@@ -186,14 +187,7 @@ def local_backend(
     measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms) or config.speculate != "off"
     prof, source = startup_profile(runner, args.profile, measure)
     engine = engine_over(runner, config, prof)
-    facts |= {
-        "runner": "torch",
-        "dtype": str(runner.dtype),
-        "kv_dtype": str(runner.kv_dtype),
-        "threads": runner.threads,
-        "device": str(runner.device),
-        "kernels": runner.kernels,
-        **({"kernel_paths": runner.kernel_paths} if runner.kernel_paths else {}),
+    facts |= runner_facts(runner) | {
         "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
     }
     if auto_budget:
@@ -202,6 +196,20 @@ def local_backend(
         engine.warnings += engine.reconfigure({"token_budget": budget})
         facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
     return StepLoop(engine), runner.tokenizer, runner.config.name
+
+
+def runner_facts(runner: ModelRunner) -> dict[str, object]:
+    """What the start-up log says of the model runner: dtypes, threads, and on
+    CPU the machine's kind and each op's kernel path."""
+    return {
+        "runner": "torch",
+        "dtype": str(runner.dtype),
+        "kv_dtype": str(runner.kv_dtype),
+        "threads": runner.threads,
+        "device": str(runner.device),
+        "kernels": runner.kernels,
+        **({"kernel_paths": runner.kernel_paths} if runner.kernel_paths else {}),
+    }
 
 
 def replica_backend(

@@ -87,3 +87,16 @@ def test_bf16_layers_take_the_dot_kernel_where_it_runs():
     assert torch.allclose(y.double(), product(x, layer.weight, None), rtol=1e-4, atol=1e-4)
     if layer.dot is not None:
         assert (layer.dot_rows == kernels.Linear.COMPACT_ROWS) == cpu_build.has_amx()
+
+
+def test_the_start_up_log_names_the_kind_and_each_ops_path(tiny_model):
+    """``stallfree serve`` logs these facts at start-up (``engine_started``)."""
+    from cli.serve import runner_facts
+    from core.model.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model, 64, 16, torch.bfloat16, torch.device("cpu"))
+    paths = runner_facts(runner)["kernel_paths"]
+    assert isinstance(paths, dict) and paths["kind"] == cpu_build.kind()
+    assert ("vdpbf16ps" in paths["linear"]) == dot_available()
+    assert ("vdpbf16ps" in paths["attention prefill"]) == (dot_available() and not cpu_build.has_amx())
+    assert paths["head"].startswith("float32")
