@@ -216,7 +216,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="float",
         choices=["float", "int8"],
         help="float: GEMMs in --dtype; int8: prefill chunks' GEMMs in int8 (activations per row, weights per "
-        "output column; float32 elsewhere; needs AMX-INT8 or AVX-512 VNNI)",
+        "output column; float32 elsewhere; needs AMX-INT8: ATen offers no int8 brgemm on AVX-512 VNNI alone)",
     )
     g.add_argument(
         "--kv-dtype",

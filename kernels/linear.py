@@ -12,7 +12,7 @@ on an AVX2 EPYC too. Elsewhere (CUDA, a torch without the op) this is plain
 A layer made with ``int8`` (``--compute int8``) keeps an int8 copy of its
 float32 weight, one scale per output column, and runs float32 batches through
 ``gemm_int8`` (activations quantized per row, oneDNN's u8 x s8 brgemm: AMX-INT8
-or AVX-512 VNNI) above ``COMPACT_ROWS`` rows: only prefill chunks run in int8,
+where ATen offers it: with AMX only, not on AVX-512 VNNI) above ``COMPACT_ROWS`` rows: only prefill chunks run in int8,
 decode-sized batches stay exact.
 
 A bf16 layer on a CPU with AVX512-BF16 (``kernels/csrc/dot_gemm.cpp``)
@@ -102,7 +102,7 @@ class Linear:
 
 
 def int8_available() -> bool:
-    """Whether ``--compute int8`` can run here: the native kernels and an int8 brgemm (AMX-INT8 or VNNI)."""
+    """Whether ``--compute int8`` can run here: the native kernels and ATen's int8 brgemm (AMX-INT8: ATen offers none on AVX-512 VNNI alone)."""
     return cpu_build.status().backend == "native" and bool(torch.ops.stallfree.int8_brgemm())
 
 

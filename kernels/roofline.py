@@ -22,7 +22,7 @@ class Roofline:
     dot_bf16: float  # FLOP/s: AVX512-BF16's vdpbf16ps in registers; 0 where the build has none
     brgemm_f32: float  # FLOP/s: oneDNN's brgemm on cache-resident float32 operands
     brgemm_bf16: float  # FLOP/s: the same in bf16 (AMX tiles where present); 0 if none
-    brgemm_int8: float  # OP/s: u8 x s8 (AMX-INT8 / VNNI); 0 if none
+    brgemm_int8: float  # OP/s: u8 x s8 (ATen offers it with AMX-INT8 only); 0 if none
     read_bw: float  # bytes/s: one thread streaming a buffer far larger than the caches
 
     def to_json(self) -> dict[str, float]:

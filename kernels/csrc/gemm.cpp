@@ -265,7 +265,7 @@ at::Tensor gemm_bf16_f32(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 // ---- int8 products for chunk-sized batches (`--compute int8`) ----------------
 // Weights as int8 with one scale per output column (w ~ scale[n] * q[n][k]),
-// packed for oneDNN's u8 x s8 brgemm (AMX-INT8 or AVX-512 VNNI); activations
+// packed for oneDNN's u8 x s8 brgemm (ATen offers it with AMX-INT8 only); activations
 // quantized per row to int8 as llama.cpp does on CPUs, shifted by 128 to u8:
 //   y[m][n] = sx[m] * scale[n] * (sum_k (xq[m][k] + 128) q[n][k] - 128 sum_k q[n][k]) + bias[n]
 bool int8_brgemm() { return at::native::cpublas::could_pack(at::kChar); }
