@@ -102,7 +102,8 @@ class Linear:
 
 
 def int8_available() -> bool:
-    """Whether ``--compute int8`` can run here: the native kernels and ATen's int8 brgemm (AMX-INT8: ATen offers none on AVX-512 VNNI alone)."""
+    """Whether ``--compute int8`` can run here: the native kernels and ATen's
+    int8 brgemm (AMX-INT8; ATen offers none on AVX-512 VNNI alone)."""
     return cpu_build.status().backend == "native" and bool(torch.ops.stallfree.int8_brgemm())
 
 

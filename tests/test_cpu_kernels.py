@@ -23,6 +23,7 @@ from core.model.model_runner import ModelRunner
 from kernels import build_attention_meta, cpu_build, reference
 
 CPU = torch.device("cpu")
+NO_INT8 = "ATen offers no int8 brgemm here (it does with AMX-INT8 only)"
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +277,7 @@ def test_the_roofline_probe_gives_sane_figures(ops):
     assert r.peak(torch.bfloat16) == (r.brgemm_bf16 or r.dot_bf16 or r.fma_f32) and r.peak(torch.float32) == r.fma_f32
 
 
-@pytest.mark.skipif(not kernels.linear_int8_available(), reason="ATen offers no int8 brgemm here (it does with AMX-INT8 only)")
+@pytest.mark.skipif(not kernels.linear_int8_available(), reason=NO_INT8)
 @settings(max_examples=10, deadline=None)
 @given(rows=st.sampled_from([65, 130, 512]), k=st.sampled_from([64, 576]), seed=st.integers(0, 999))
 def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
@@ -300,7 +301,7 @@ def test_int8_gemm_matches_its_dequantized_reference(ops, rows, k, seed):
     assert shift.tolist() == (wq.sum(1) * 128).long().tolist()
 
 
-@pytest.mark.skipif(not kernels.linear_int8_available(), reason="ATen offers no int8 brgemm here (it does with AMX-INT8 only)")
+@pytest.mark.skipif(not kernels.linear_int8_available(), reason=NO_INT8)
 @pytest.mark.parametrize("compact", [True, False])
 def test_int8_layers_leave_decode_sized_batches_exact(ops, compact):
     """Up to COMPACT_ROWS rows an int8 layer gives the float layer's output, with
