@@ -70,10 +70,10 @@ def test_paged_attention_matches_the_reference(ops, kind, batch, seed):
 
 
 def test_the_tiles_run_on_brgemm_where_the_cpu_has_it(ops):
-    """AVX-512 builds run float32 tiles on brgemm; bf16 ones run on AMX's brgemm
-    or the AVX512-BF16 dot-product kernel (the ``avx512-bf16`` build)."""
+    """AVX2 and AVX-512 builds run float32 tiles on brgemm; bf16 ones run on
+    AMX's brgemm or the AVX512-BF16 dot-product kernel (the ``avx512-bf16`` build)."""
     expected = set()
-    if cpu_build.detect_isa().startswith("avx512"):
+    if cpu_build.detect_isa() != "generic":
         expected.add(torch.float32)
     if cpu_build.detect_isa() == "avx512-bf16":
         expected.add(torch.bfloat16)

@@ -19,7 +19,7 @@ from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine, RequestRejected
 from core.sched.request import Request, SamplingParams
-from kernels import build_attention_meta, paged_attention, write_kv
+from kernels import build_attention_meta, cpu_build, paged_attention, write_kv
 from tests.simkit import request, run_to_completion, tokens
 
 CPU = torch.device("cpu")
@@ -233,15 +233,29 @@ def test_profile_fits_and_chooses_a_budget(tiny_model):
     assert fast == curve[0][0] < slow == curve[-1][0]
 
 
+AVX512_RUNS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_build.cpu_flags()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kernels_env", "options"),
-    [("native", []), ("reference", []), ("native", ["--dtype", "fp32", "--kv-dtype", "bf16"])],
+    ("env", "options"),
+    [
+        ({}, []),
+        ({"STALLFREE_CPU_KERNELS": "reference"}, []),
+        ({}, ["--dtype", "fp32", "--kv-dtype", "bf16"]),
+        # bf16 on the avx512 kind's paths (oneDNN's GEMMs, float32-FMA attention), where this CPU runs them
+        pytest.param(
+            {"STALLFREE_CPU_ISA": "avx512"},
+            ["--dtype", "bf16"],
+            marks=pytest.mark.skipif(not AVX512_RUNS, reason="the CPU cannot execute an AVX-512 build"),
+        ),
+    ],
 )
-def test_real_model_answers_paris(kernels_env, options):
+def test_real_model_answers_paris(env, options):
     """The embedded SmolLM2-135M-Instruct, greedy, through the CLI, at this
-    machine's default dtype (bf16 on an AMX machine, else fp32), and with a
-    bf16 KV cache under float32 GEMMs.
+    machine's default dtype (bf16 where the CPU has AVX512-BF16 or AMX: the
+    dot-product or AMX paths; else fp32), in bf16 on the paths of an AVX-512
+    CPU without BF16, and with a bf16 KV cache under float32 GEMMs.
 
     Its top two first tokens ("The", "L") are 0.08 apart in float32, inside
     bf16's rounding: bf16 keeps the answer because the head and the GEMMs
@@ -250,7 +264,7 @@ def test_real_model_answers_paris(kernels_env, options):
     question = "What is the capital of France?"
     out = subprocess.run(
         [sys.executable, "-m", "cli", "generate", question, "--max-tokens", "24", *options],
-        env={**os.environ, "STALLFREE_CPU_KERNELS": kernels_env},
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=300,

@@ -12,7 +12,7 @@
 // prefix p sees keys [0, p + i].
 //
 // Where oneDNN's batch-reduce GEMM micro-kernel runs here (ATen's
-// cpublas::brgemm: AMX tiles for bf16, AVX-512 FMA for float32), a prefill
+// cpublas::brgemm: AMX tiles for bf16, AVX-512 or AVX2 FMA for float32), a prefill
 // tile's two products (Q K^T and P V) go through it instead: the hand-written
 // outer product reached a fraction of the FMA peak (bench.kernels.attention_kernels).
 // bf16 without AMX (AVX512-BF16 only: AMD Zen 4) has no oneDNN brgemm in
@@ -405,8 +405,8 @@ bool amx_brgemm() {
 template <typename T>
 bool brgemm_available() {
   if constexpr (std::is_same_v<T, float>) {
-#if defined(__AVX512F__)
-    return true;  // oneDNN's float32 brgemm; AVX2 machines keep the hand-written tiles (untested there)
+#if defined(__AVX2__)
+    return true;  // oneDNN's float32 brgemm (ATen runs it from AVX2 up)
 #else
     return false;
 #endif
