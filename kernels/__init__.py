@@ -107,7 +107,7 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
         "linear": gemm,
         "head": "float32, compact weights up to 64 rows",
         "attention prefill": tiles if kv_dtype in cpu_ops.brgemm_dtypes() else "hand-written float32 FMA tiles",
-        "attention decode": "hand-written float32 FMA",
+        "attention decode": "vdpbf16ps" if kv_dtype == torch.bfloat16 and dot_available() else "float32 FMA",
     }
 
 

@@ -100,3 +100,4 @@ def test_the_start_up_log_names_the_kind_and_each_ops_path(tiny_model):
     assert ("vdpbf16ps" in paths["linear"]) == dot_available()
     assert ("vdpbf16ps" in paths["attention prefill"]) == (dot_available() and not cpu_build.has_amx())
     assert paths["head"].startswith("float32")
+    assert ("vdpbf16ps" in paths["attention decode"]) == dot_available()
