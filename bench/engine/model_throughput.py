@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.record import dated, table
+from bench.record import dated, describe, machine, table
 from core.build import ModelSettings, build_engine
 from core.sched.config import SchedulerConfig
 from core.sched.request import Request, SamplingParams
@@ -115,6 +115,7 @@ def main() -> None:
     command = "python -m bench.engine.model_throughput " + " ".join(sys.argv[1:])
     doc = {
         "command": command.strip(),
+        "machine": machine(),
         "model": runner.config.name,
         "prompt_tokens_per_stream": args.prompt,
         "repeats": args.repeats,
@@ -125,7 +126,8 @@ def main() -> None:
     lines = [
         f"# Real-model throughput ({runner.config.name})",
         "",
-        f"`{doc['command']}` — medians of {args.repeats} interleaved repeats; decode streams start from "
+        f"`{doc['command']}` on {describe(doc['machine'])} — medians of {args.repeats} interleaved repeats; "
+        "decode streams start from "
         f"{args.prompt}-token prompts.",
         "",
     ]
