@@ -41,7 +41,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 from websockets.frames import Frame, Opcode
 
+from bench.gateway.users import stream_user
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
+from core.sched.timings import percentile
 from gateway.connections import raise_file_limit
 
 STREAMS = 4
@@ -86,29 +87,6 @@ def fd_kinds(pid: int) -> dict[str, int]:
 
 def auth(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-async def stream_user(
-    url: str, stop_at: float, gaps: list[float], ends: collections.Counter[str], key: str | None = None
-) -> None:
-    """One user: a generation after another until stop_at; every gap between tokens."""
-    async with connect(url, max_size=None, additional_headers=auth(key)) as ws:
-        n = 0
-        while time.perf_counter() < stop_at:
-            n += 1
-            frame = {"type": "generate", "id": f"u{n}", "prompt": "Tell me a story.", "max_tokens": 64}
-            await ws.send(orjson.dumps({**frame, "ignore_eos": True}).decode())
-            last = None
-            while True:
-                f = orjson.loads(await asyncio.wait_for(ws.recv(), 120))
-                if f["type"] == "token":
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append((now - last) * 1e3)
-                    last = now
-                elif f["type"] in ("done", "error"):
-                    ends[f["type"] if f["type"] == "done" else f["code"]] += 1
-                    break
 
 
 async def raw_exchange(port: int, data: bytes, trickle_s: float = 0.0) -> str:
@@ -407,7 +385,7 @@ async def phase(
     health: collections.Counter[str] = collections.Counter()
     peak: dict[str, float] = {}
     url = f"ws://127.0.0.1:{port}/v1/stream"
-    jobs = [stream_user(url, stop_at, gaps, ends, key) for _ in range(STREAMS)]
+    jobs = [stream_user(url, stop_at, gaps, ends=ends, headers=auth(key)) for _ in range(STREAMS)]
     if pid is not None:
         jobs.append(watch_process(pid, stop_at, peak))
     if hostile:
@@ -416,12 +394,11 @@ async def phase(
             assert key is not None, "round 4's attacks need a server with a key"
             jobs.append(round4_attacks(port, stop_at, seen, key))
     await asyncio.gather(*jobs)
-    q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [0.0] * 99
     return {
         "hostile": hostile,
         "gaps": len(gaps),
-        "gap_p50_ms": round(q[49], 1),
-        "gap_p99_ms": round(q[98], 1),
+        "gap_p50_ms": round(percentile(gaps, 50), 1),
+        "gap_p99_ms": round(percentile(gaps, 99), 1),
         "gap_max_ms": round(max(gaps, default=0.0), 1),
         "normal_ends": dict(ends),
         "attacks": {k: dict(v) for k, v in seen.items()},

@@ -16,41 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 from typing import Any
 
 import httpx
-import orjson
-from websockets.asyncio.client import connect
 
+from bench.gateway.users import stream_user
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
+from core.sched.timings import percentile
 
 BURST = 64
-
-
-async def user(url: str, stop_at: float, gaps: list[float]) -> None:
-    """One decoding user: 64-token generations one after another until stop_at; every gap within one."""
-    async with connect(url) as ws:
-        n = 0
-        while time.perf_counter() < stop_at:
-            n += 1
-            frame = {"type": "generate", "id": f"u{n}", "prompt": "hi", "max_tokens": 64, "ignore_eos": True}
-            await ws.send(orjson.dumps(frame).decode())
-            last = None
-            while True:
-                try:  # a generation still waiting at stop_at (behind the burst) ends the run
-                    f = orjson.loads(await asyncio.wait_for(ws.recv(), max(0.1, stop_at - time.perf_counter())))
-                except TimeoutError:
-                    return
-                if f["type"] == "token":
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append((now - last) * 1e3)
-                    last = now
-                elif f["type"] in ("done", "error"):
-                    break
 
 
 async def burst(url: str, finished: list[int]) -> None:
@@ -71,13 +47,12 @@ async def measure(server: StallfreeServer, seconds: float) -> dict[str, Any]:
     stop_at = time.perf_counter() + seconds
     flood = asyncio.create_task(burst(server.url, finished))
     await asyncio.sleep(0.5)  # the burst is in before the user starts
-    await user(server.ws_url, stop_at, gaps)
+    await stream_user(server.ws_url, stop_at, gaps, prompt="hi", cut_at_stop=True)
     flood.cancel()
-    q = statistics.quantiles(gaps, n=100)
     return {
         "gaps": len(gaps),
-        "gap_p50_ms": round(q[49], 1),
-        "gap_p99_ms": round(q[98], 1),
+        "gap_p50_ms": round(percentile(gaps, 50), 1),
+        "gap_p99_ms": round(percentile(gaps, 99), 1),
         "gap_max_ms": round(max(gaps), 1),
         "burst_finished": len(finished),
     }
