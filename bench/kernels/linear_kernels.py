@@ -38,6 +38,40 @@ BF16_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 Path = Callable[[kernels.Linear, torch.Tensor], torch.Tensor]
 
 
+def side_by_side(
+    row_counts: tuple[int, ...], repeats: int, one_pass: Callable[[int, str], float], names: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """Per row count, each path's median ms over ``repeats`` alternating passes
+    (the first pass of each warms up), and speed-up = first / second per pass."""
+    results: list[dict[str, Any]] = []
+    for rows in row_counts:
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(repeats + 1):
+            for name in names:
+                t = one_pass(rows, name)
+                if rep:
+                    times[name].append(t)
+        ratios = [a / b for a, b in zip(times[names[0]], times[names[1]], strict=True)]
+        results.append(
+            {"rows": rows}
+            | {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}
+            | {"speedup": statistics.median(ratios), "speedup_range": (min(ratios), max(ratios))}
+        )
+    return results
+
+
+def write(record: dict[str, Any], lines: list[str]) -> None:
+    """A new dated linear_kernels record: the JSON and the markdown lines."""
+    base = dated("linear_kernels")
+    base.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def speedup(r: dict[str, Any]) -> str:
+    return f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]"
+
+
 def bf16_paths(model: LlamaModel) -> tuple[list[kernels.Linear], dict[str, Path], float]:
     """(layers, {name: one layer's call}, total weights) for the bf16 comparison."""
     layers = [getattr(lay, n) for lay in model.layers for n in ("qkv", "o", "gate_up", "down")]
@@ -72,37 +106,18 @@ def main() -> None:
     compact_mb = sum(t.nbytes for lay in layers if lay.compact for t in lay.compact.tensors) / 2**20
     fp32_mb = sum(lay.weight.nbytes for lay in layers) / 2**20
 
-    def one_pass(rows: int, compact: bool) -> float:
+    def one_pass(rows: int, name: str) -> float:
         xs = {k: torch.randn(rows, k) for k in {lay.weight.shape[1] for lay in layers}}
         start = time.perf_counter()
         for lay in layers:
             x = xs[lay.weight.shape[1]]
-            lay.compact(x, lay.bias) if compact else lay(x)
+            lay.compact(x, lay.bias) if name == "compact" else lay(x)
         return time.perf_counter() - start
 
-    results = []
-    for rows in ROWS:
-        times: dict[str, list[float]] = {"onednn": [], "compact": []}
-        for rep in range(args.repeats + 1):  # alternate; the first pass of each warms up
-            for name in times:
-                t = one_pass(rows, name == "compact")
-                if rep:
-                    times[name].append(t)
-        ratios = [a / b for a, b in zip(times["onednn"], times["compact"], strict=True)]
-        results.append(
-            {
-                "rows": rows,
-                "onednn_ms": statistics.median(times["onednn"]) * 1e3,
-                "compact_ms": statistics.median(times["compact"]) * 1e3,
-                "speedup": statistics.median(ratios),
-                "speedup_range": (min(ratios), max(ratios)),
-            }
-        )
+    results = side_by_side(ROWS, args.repeats, one_pass, ("onednn", "compact"))
     m = machine()
     command = f"python -m bench.kernels.linear_kernels {' '.join(sys.argv[1:])}".strip()
-    base = dated("linear_kernels")
     record = {"command": command, "machine": m, "kinds": kinds, "compact_mb": compact_mb, "fp32_mb": fp32_mb}
-    base.with_suffix(".json").write_text(json.dumps(record | {"rows": results}, indent=2))
     lines = [
         "# One decode step's linear layers: compact weights vs oneDNN float32",
         "",
@@ -111,18 +126,9 @@ def main() -> None:
         f"{args.repeats} alternating passes, speed-up = oneDNN / compact per pass [min–max].",
         "",
     ]
-    cells = [
-        [
-            r["rows"],
-            f"{r['onednn_ms']:.1f}",
-            f"{r['compact_ms']:.1f}",
-            f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]",
-        ]
-        for r in results
-    ]
+    cells = [[r["rows"], f"{r['onednn_ms']:.1f}", f"{r['compact_ms']:.1f}", speedup(r)] for r in results]
     lines += table(["rows", "oneDNN fp32 ms", "compact ms", "speed-up"], cells, "rrrr")
-    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(record | {"rows": results}, lines)
 
 
 def bf16_main(args: argparse.Namespace) -> None:
@@ -142,31 +148,12 @@ def bf16_main(args: argparse.Namespace) -> None:
             call(lay, xs[lay.weight.shape[1]])
         return time.perf_counter() - start
 
-    results: list[dict[str, Any]] = []
-    for rows in BF16_ROWS:
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for rep in range(args.repeats + 1):  # alternate; the first pass of each warms up
-            for name in times:
-                t = one_pass(rows, name)
-                if rep:
-                    times[name].append(t)
-        ratios = [a / b for a, b in zip(times["onednn"], times["dot"], strict=True)]
-        dot_s = statistics.median(times["dot"])
-        results.append(
-            {
-                "rows": rows,
-                "onednn_ms": statistics.median(times["onednn"]) * 1e3,
-                "dot_ms": dot_s * 1e3,
-                "dot_gflops": 2 * rows * weights / dot_s / 1e9,
-                "speedup": statistics.median(ratios),
-                "speedup_range": (min(ratios), max(ratios)),
-            }
-        )
+    results = side_by_side(BF16_ROWS, args.repeats, one_pass, ("onednn", "dot"))
+    for r in results:
+        r["dot_gflops"] = 2 * r["rows"] * weights / r["dot_ms"] / 1e6
     m = machine()
     command = f"python -m bench.kernels.linear_kernels {' '.join(sys.argv[1:])}".strip()
-    base = dated("linear_kernels")
     record = {"command": command, "machine": m, "dot_bf16_peak": peak, "weights": weights}
-    base.with_suffix(".json").write_text(json.dumps(record | {"rows": results}, indent=2))
     lines = [
         "# One decode step's bf16 linear layers: the vdpbf16ps kernel vs oneDNN bf16",
         "",
@@ -182,13 +169,12 @@ def bf16_main(args: argparse.Namespace) -> None:
             f"{r['onednn_ms']:.1f}",
             f"{r['dot_ms']:.1f}",
             f"{r['dot_gflops']:.0f} ({r['dot_gflops'] * 1e9 / peak * 100:.0f}%)" if peak else f"{r['dot_gflops']:.0f}",
-            f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]",
+            speedup(r),
         ]
         for r in results
     ]
     lines += table(["rows", "oneDNN bf16 ms", "dot ms", "dot GFLOP/s (% of peak)", "speed-up"], cells, "rrrrr")
-    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(record | {"rows": results}, lines)
 
 
 if __name__ == "__main__":
