@@ -99,14 +99,17 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
         gemm = "oneDNN" + (" (AMX)" if amx else "")
     else:
         gemm = "compact weights up to 64 rows, oneDNN beyond"
-    tiles = "brgemm (AMX)" if amx and kv_dtype == torch.bfloat16 else "brgemm"
-    if kv_dtype == torch.bfloat16 and not amx and dot_available():
-        tiles = "vdpbf16ps tiles"
+    if kv_dtype not in cpu_ops.brgemm_dtypes():
+        tiles = "hand-written float32 FMA tiles"
+    elif kv_dtype == torch.bfloat16:
+        tiles = "brgemm (AMX)" if amx else "vdpbf16ps tiles"
+    else:
+        tiles = "brgemm"
     return {
         "kind": cpu_build.kind(),
         "linear": gemm,
         "head": "float32, compact weights up to 64 rows",
-        "attention prefill": tiles if kv_dtype in cpu_ops.brgemm_dtypes() else "hand-written float32 FMA tiles",
+        "attention prefill": tiles,
         "attention decode": "vdpbf16ps" if kv_dtype == torch.bfloat16 and dot_available() else "float32 FMA",
     }
 
