@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from core.model.model_runner import ModelRunner
     from core.model.tokenizer import Tokenizer
     from core.sched.config import SchedulerConfig
+    from core.sched.engine_process import BuiltEngine
     from gateway.backend import EngineBackend
     from gateway.tracing import Tracing
 
@@ -67,6 +68,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gw.add_argument("--header-timeout-s", type=float, default=10.0, help="request line + headers arrive within this")
     gw.add_argument("--drain-timeout-s", type=float, default=10.0, help="grace period on shutdown")
     gw.add_argument("--send-buffer-kib", type=float, help="kernel send buffer per connection (default: the OS's)")
+    sv.add_argument(
+        "--engine",
+        choices=("process", "thread"),
+        default="process",
+        help="where the step loop runs: an engine process of its own (default), or a thread of this one",
+    )
     gw.add_argument("--switch-interval-ms", type=float, default=1.0, help="GIL switch interval (default %(default)s)")
     ob = sv.add_argument_group("observability (traces: the standard OTEL_* variables, off unless an endpoint is set)")
     ob.add_argument("--trace-iterations", type=float, default=0.0, help="fraction of iterations traced as spans")
@@ -161,19 +168,41 @@ def run(args: argparse.Namespace) -> None:
 def local_backend(
     args: argparse.Namespace, config: SchedulerConfig, auto_budget: bool, facts: dict[str, object]
 ) -> tuple[EngineBackend, Tokenizer, str]:
-    """The engine on this process's step thread: the simulated runner or the model."""
-    from core.analysis.profiler import Profile, choose_budget
+    """One engine on this machine: in an engine process of its own (``--engine
+    process``, the default) or on this process's step thread (``--engine thread``)."""
+    from functools import partial
+
+    from core.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(None if args.sim else args.model)
+    facts["engine"] = args.engine
+    if args.engine == "process":
+        from gateway.engine_process import EngineProcess
+
+        process = EngineProcess(partial(local_engine, args, config, auto_budget))
+        facts |= process.facts
+        return process, tokenizer, process.name
     from core.sched.step_loop import StepLoop
+
+    built = local_engine(args, config, auto_budget)
+    facts |= built.facts
+    return StepLoop(built.engine), tokenizer, built.name
+
+
+def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget: bool) -> BuiltEngine:
+    """The engine the command line asks for (the simulated runner or the model),
+    built where it will run, with what the start-up log says of it."""
+    from core.analysis.profiler import Profile, choose_budget
+    from core.sched.engine_process import BuiltEngine
 
     if args.sim:
         from core.build import build_sim_engine
 
         cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
-        engine, tokenizer = build_sim_engine(
+        engine, _ = build_sim_engine(
             config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
         )
-        facts["runner"] = "simulated"
-        return StepLoop(engine), tokenizer, "stallfree-sim"
+        return BuiltEngine(engine, "stallfree-sim", {"runner": "simulated"})
     from core.build import engine_over, load_runner, startup_profile
 
     settings_model = model_settings(args)
@@ -187,7 +216,7 @@ def local_backend(
     measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms) or config.speculate != "off"
     prof, source = startup_profile(runner, args.profile, measure)
     engine = engine_over(runner, config, prof)
-    facts |= runner_facts(runner) | {
+    facts = runner_facts(runner) | {
         "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
     }
     if auto_budget:
@@ -195,7 +224,7 @@ def local_backend(
         budget, how = choose_budget(prof.points, args.tpot_slo_ms)
         engine.warnings += engine.reconfigure({"token_budget": budget})
         facts["token_budget_basis"] = f"auto for a {args.tpot_slo_ms:g} ms TPOT: {how}"
-    return StepLoop(engine), runner.tokenizer, runner.config.name
+    return BuiltEngine(engine, runner.config.name, facts)
 
 
 def runner_facts(runner: ModelRunner) -> dict[str, object]:

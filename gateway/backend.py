@@ -1,8 +1,10 @@
 """The one seam between the gateway and whatever runs the engine.
 
-``EngineClient`` drives an ``EngineBackend``, built whole before it: this
-process's step thread (``core.sched.step_loop.StepLoop``) or engines on Ray
-Serve replicas (``scaleout.remote.RemoteEngine``). The backend reports back
+``EngineClient`` drives an ``EngineBackend``, built whole before it: the
+step thread of an engine process of its own (``gateway.engine_process.EngineProcess``,
+``stallfree serve``'s default), this process's step thread
+(``core.sched.step_loop.StepLoop``) or engines on Ray Serve replicas
+(``scaleout.remote.RemoteEngine``). The backend reports back
 to an ``EngineListener`` (the client), given when it starts.
 """
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.gateway.gateway_load [--streams 100,250,500,1000]
         [--streams-per-connection 20] [--time-scales 1,0.1] [--seconds 10]
-        [--repeats N] [--baseline PATH]
+        [--repeats N] [--baseline PATH] [--engines process,thread]
 
 Starts ``stallfree serve --sim`` in its own process (so the model is not the
 bottleneck), opens the streams from this process, and records for every token
@@ -12,7 +12,8 @@ CLOCK_MONOTONIC is shared by processes on one machine). Smaller time scales
 make the simulated model faster, raising the token rate until the gateway is
 the bottleneck. ``--baseline PATH`` runs the server of another checkout
 (``git worktree add PATH <rev>``) under the same load, alternating with this
-one's, for a before/after comparison on one noisy machine. Writes a new
+one's, for a before/after comparison on one noisy machine; ``--engines``
+runs this checkout's server with each ``--engine`` in turn. Writes a new
 bench/results/gateway_load-<date>.{json,md}.
 """
 
@@ -36,8 +37,9 @@ from bench.servers import ROOT, StallfreeServer
 from core.sched.timings import percentile
 
 
-def start_server(time_scale: float, streams: int, checkout: Path) -> StallfreeServer:
+def start_server(time_scale: float, streams: int, checkout: Path, extra: tuple[str, ...]) -> StallfreeServer:
     return StallfreeServer(
+        *extra,
         "--sim",
         "--sim-time-scale",
         str(time_scale),
@@ -124,17 +126,21 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--baseline", type=Path, help="another checkout whose server runs alternately with this one's")
+    ap.add_argument("--engines", help="comma-separated --engine values to run this checkout's server with, alternately")
     args = ap.parse_args()
-    servers = {revision(ROOT): ROOT}
+    here = revision(ROOT)
+    servers: dict[str, tuple[Path, tuple[str, ...]]] = {here: (ROOT, ())}
+    if args.engines:
+        servers = {f"{here} --engine {e}": (ROOT, ("--engine", e)) for e in args.engines.split(",")}
     if args.baseline is not None:
-        servers = {f"{revision(args.baseline)} (baseline)": args.baseline, **servers}
+        servers = {f"{revision(args.baseline)} (baseline)": (args.baseline, ()), **servers}
     rows = []
     for rep in range(args.repeats):
         for streams in [int(x) for x in args.streams.split(",")]:
             for scale in [float(x) for x in args.time_scales.split(",")]:
-                for server, checkout in servers.items():
+                for server, (checkout, extra) in servers.items():
                     connections = max(1, streams // args.streams_per_connection)
-                    launched = start_server(scale, streams, checkout)
+                    launched = start_server(scale, streams, checkout, extra)
                     try:
                         result = asyncio.run(run_load(launched.port, streams, connections, args.seconds))
                     finally:

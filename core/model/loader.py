@@ -69,6 +69,20 @@ def load_model(path: str | None = None) -> LoadedModel:
         raise ModelLoadError(f"cannot load model {target}: {exc}") from None
 
 
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """The tokenizer of what ``load_model(path)`` loads, without its weights
+    (a gateway whose engine runs in another process)."""
+    if path is None or path == TINY:
+        return Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    target = Path(path)
+    try:
+        if target.is_dir():
+            return Tokenizer.from_hf_dir(target)
+        return Tokenizer.from_gguf_metadata(GGUFFile(target).metadata)
+    except (GGUFError, ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {target}: {exc}") from None
+
+
 # -- GGUF --------------------------------------------------------------------
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

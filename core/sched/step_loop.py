@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -44,13 +44,14 @@ class StepListener(Protocol):
 
 
 class StepLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, times: MutableSequence[int] | None = None) -> None:
+        """``times``: where busy_since_ns and last_step_ns are kept (shared
+        memory, when another process watches this loop)."""
         self.engine = engine
         self.snapshot: EngineSnapshot = engine.snapshot()  # replaced whole, never changed: safe to read anywhere
         self.listener: StepListener | None = None  # given at start
         self.iterations = 0
-        self.last_step_ns = 0
-        self.busy_since_ns = 0  # perf_counter_ns when the running iteration began; 0 between iterations
+        self._times = times if times is not None else [0, 0]
         self.fatal: str | None = None
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders call() against _die(): no future is left pending
@@ -63,6 +64,16 @@ class StepLoop:
         self.listener = listener
         self._running = True
         self._thread.start()
+
+    @property
+    def busy_since_ns(self) -> int:
+        """perf_counter_ns when the running iteration began; 0 between iterations."""
+        return self._times[0]
+
+    @property
+    def last_step_ns(self) -> int:
+        """perf_counter_ns when the last iteration ended."""
+        return self._times[1]
 
     def replica_counts(self) -> None:
         """One engine, in this process."""
@@ -144,13 +155,13 @@ class StepLoop:
                 self._run_commands(_UNSCHEDULABLE_WAIT_S if unschedulable else 0)
             if not self._running:
                 break
-            self.busy_since_ns = time.perf_counter_ns()
+            self._times[0] = time.perf_counter_ns()
             out = self.engine.step()
-            self.busy_since_ns = 0
+            self._times[0] = 0
             if out is not None:
                 self.snapshot = self.engine.snapshot(out.counts)
                 self.iterations += 1
-                self.last_step_ns = time.perf_counter_ns()
+                self._times[1] = time.perf_counter_ns()
                 self._publish(out)
             if self.engine.broken is not None:
                 self._die(self.engine.broken)
