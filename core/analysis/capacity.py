@@ -5,7 +5,9 @@ Capacity is the highest arrival rate at which the P99 time between tokens
 TBT SLO and the median scheduling delay (arrival to first scheduled) within
 2 s. ``Search`` finds it by trials at chosen rates: doubling or halving
 from a first guess until one rate passes and a higher one fails, then
-bisecting (geometrically) until the two are within the tolerance (5 %).
+bisecting (geometrically) until the two are within the tolerance (2.5 %,
+Sarathi-Serve's). Every trial of one search must replay the same requests
+(only sooner or later), or meeting the SLO is not monotone in the rate.
 Trials already run (for another SLO on the same configuration) are reused.
 
 Used by ``stallfree simulate --capacity`` (the simulator on a trace) and
@@ -78,7 +80,7 @@ class Search:
         self,
         slo: SLO,
         first: float,
-        tolerance: float = 0.05,
+        tolerance: float = 0.025,
         max_trials: int = 16,
         lowest: float = 0.0,
         known: dict[float, Trial] | None = None,
@@ -134,7 +136,7 @@ def search(
     run: Callable[[float], Trial],
     slo: SLO,
     first: float,
-    tolerance: float = 0.05,
+    tolerance: float = 0.025,
     max_trials: int = 16,
     known: dict[float, Trial] | None = None,
 ) -> Capacity:

@@ -33,16 +33,14 @@ class Setup:
     config: SchedulerConfig
     cache: CacheConfig
     cost: CostModel
-    duration_s: float | None = None  # trials replay the trace's first this long at their rate (else the window)
     disaggregate: tuple[int, int] | None = None  # prefill and decode workers
     link: Link | None = None  # their KV link
     acceptance: float | None = None  # drafts kept: adds the TBT target with speculation (SimDrafter)
 
     def at(self, rate: float) -> Replay:
-        """How a trial at ``rate`` replays the trace."""
-        if self.duration_s is None:
-            return dataclasses.replace(self.how, rate=rate)
-        return dataclasses.replace(self.how, count=max(16, round(rate * self.duration_s)), rate=rate)
+        """How a trial at ``rate`` replays the trace: the same window at every rate,
+        so a higher rate is the same work sooner and meeting the SLO is monotone in it."""
+        return dataclasses.replace(self.how, rate=rate)
 
     def decode_iteration_ms(self, decodes: int) -> tuple[float, int]:
         """The decode-only iteration the SLOs are multiples of: ``decodes`` at the
