@@ -248,8 +248,9 @@ class Connection:
                         {"token_id": t, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
                         for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)
                     ]
-                if gen.timestamps:  # the engine's perf_counter_ns when these tokens were produced
+                if gen.timestamps:  # when the engine produced these tokens, and when this frame goes out
                     frame["emit_ns"] = piece.emit_ns
+                    frame["sent_ns"] = time.perf_counter_ns()
                 _encode(frame, out)
             if piece.finish_reason is not None:
                 self.gens.pop(gen_id, None)

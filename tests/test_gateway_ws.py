@@ -249,3 +249,14 @@ async def test_short_prompts_get_their_first_token_before_a_long_prefill_ends():
         assert first_token[-1] == "long", first_token
     finally:
         server.stop()
+
+
+async def test_timestamps_say_when_tokens_were_produced_and_sent(server):
+    async with connect(server.ws_url) as ws:
+        await send(ws, type="generate", id="t", prompt="hello", max_tokens=6, ignore_eos=True, timestamps=True)
+        frames = (await collect(ws, ["t"]))["t"]
+        received = time.perf_counter_ns()
+    tokens = [f for f in frames if f["type"] == "token"]
+    assert len(tokens) == 6
+    assert all(0 < f["emit_ns"] <= f["sent_ns"] <= received for f in tokens)  # one monotonic clock
+    assert [f["emit_ns"] for f in tokens] == sorted(f["emit_ns"] for f in tokens)

@@ -12,8 +12,12 @@ generations of the same prompt length start together; for the tokens
 ``WINDOW`` of every stream (all N decoding), the gaps between the engine's
 emits (``"timestamps": true``: perf_counter_ns, shared by the processes) are
 the server's iteration period, the gaps the client sees are its ITL, and
-receive minus emit is the gateway's delivery. The crowd: that many more
-WebSocket connections held open (idle) while the N streams run. Configurations
+receive minus emit is the gateway's delivery; the CPU each process used
+meanwhile (cores: CPU seconds over wall seconds, from /proc) splits the
+machine between the engine, the gateway and the load generator. The crowd:
+that many more WebSocket connections held open (idle) while the N streams run.
+``--openai``: the same streams also through the OpenAI streaming API (SSE,
+``loadtest``'s client), where only the client's gaps are seen. Configurations
 alternate within each repeat; medians over the repeats. Writes a new
 bench/results/server_overhead-<date>.{json,md}.
 """
@@ -25,8 +29,10 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 from websockets.asyncio.client import connect
@@ -98,12 +104,36 @@ async def through_server(url: str, streams: int, crowd: int) -> dict[str, float]
     }
 
 
+async def through_openai(url: str, streams: int) -> dict[str, float]:
+    """N streams decoding together over the OpenAI SSE API: the client's gaps."""
+    from loadtest.generator import Arrival, OpenAITarget, run_jobs
+
+    jobs = [Arrival(0.0, f"{i}: {PROMPT}", MAX_TOKENS) for i in range(streams)]
+    results = await run_jobs(OpenAITarget(url + "/v1", "stallfree"), jobs)
+    gaps = [g * 1e3 for r in results for g in r.gaps_s[WINDOW[0] : WINDOW[1] - 1]]
+    return {"itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99), "max_gap_ms": max(gaps)}
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def processes(server: StallfreeServer) -> dict[str, int]:
+    """The gateway, its engine process (``--engine process``) and this load generator."""
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    engines = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return {"gateway": server.proc.pid, **({"engine": engines[0]} if engines else {}), "client": os.getpid()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", default="8,32,64")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--crowd", type=int, default=1000, help="idle connections beside the streams (0: no crowd runs)")
     ap.add_argument("--engines", default="thread,process")
+    ap.add_argument("--openai", action="store_true", help="also through the OpenAI streaming API (no crowd)")
     ap.add_argument("--out", default="server_overhead")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
@@ -122,10 +152,23 @@ def main() -> None:
             try:
                 for crowd in crowds:
                     for n in streams:
+                        pids = processes(server)
+                        before, started = {k: cpu_s(p) for k, p in pids.items()}, time.perf_counter()
                         result = asyncio.run(through_server(server.ws_url, n, crowd))
+                        wall = time.perf_counter() - started
+                        result |= {f"{k}_cores": (cpu_s(p) - before[k]) / wall for k, p in pids.items()}
                         rows.append({"repeat": rep, "config": f"--engine {engine}", "streams": n, "crowd": crowd})
                         rows[-1] |= result
                         print(json.dumps(rows[-1]), file=sys.stderr)
+                for n in streams if args.openai else []:
+                    pids = processes(server)
+                    before, started = {k: cpu_s(p) for k, p in pids.items()}, time.perf_counter()
+                    result = asyncio.run(through_openai(server.url, n))
+                    wall = time.perf_counter() - started
+                    result |= {f"{k}_cores": (cpu_s(p) - before[k]) / wall for k, p in pids.items()}
+                    rows.append({"repeat": rep, "config": f"--engine {engine}, OpenAI API", "streams": n, "crowd": 0})
+                    rows[-1] |= result
+                    print(json.dumps(rows[-1]), file=sys.stderr)
             finally:
                 server.stop()
     write(args, rows, streams)
@@ -137,18 +180,25 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
     base = dated(args.out)
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
 
+    def values(config: str, n: int, crowd: int, key: str) -> list[float]:
+        cell = [r for r in rows if (r["config"], r["streams"], r["crowd"]) == (config, n, crowd) and key in r]
+        return [float(r[key]) for r in cell]  # type: ignore[arg-type]
+
     def med(config: str, n: int, crowd: int, key: str) -> float:
-        values = [float(r[key]) for r in rows if (r["config"], r["streams"], r["crowd"]) == (config, n, crowd)]
-        return statistics.median(values) if values else float("nan")
+        found = values(config, n, crowd, key)
+        return statistics.median(found) if found else float("nan")
+
+    def shown(x: float, digits: int = 1) -> str:
+        return "–" if x != x else f"{x:.{digits}f}"  # NaN: not measured that way
 
     def spread(config: str, n: int, crowd: int, key: str) -> str:
-        values = [float(r[key]) for r in rows if (r["config"], r["streams"], r["crowd"]) == (config, n, crowd)]
-        return f"{min(values):.1f}-{max(values):.1f}" if values else ""
+        found = values(config, n, crowd, key)
+        return f" [{min(found):.1f}-{max(found):.1f}]" if found else ""
 
     cells = []
     for n in streams:
         alone = med("engine alone", n, 0, "emit_p50_ms")
-        cells.append(["engine alone", n, "", f"{alone:.1f}", "", "", "", "", "", ""])
+        cells.append(["engine alone", n, "", shown(alone), "", "", "", "", "", "", ""])
         for config in sorted({str(r["config"]) for r in rows} - {"engine alone"}):
             for crowd in sorted({int(r["crowd"]) for r in rows if r["config"] == config}):  # type: ignore[call-overload]
                 emit = med(config, n, crowd, "emit_p50_ms")
@@ -158,17 +208,23 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
                         config,
                         n,
                         crowd,
-                        f"{emit:.1f} [{spread(config, n, crowd, 'emit_p50_ms')}]",
-                        f"{emit / alone:.2f}",
-                        f"{itl:.1f}",
-                        f"{itl / alone:.2f}",
-                        f"{med(config, n, crowd, 'itl_p99_ms'):.1f}",
-                        f"{med(config, n, crowd, 'delivery_p50_ms'):.2f}",
-                        f"{med(config, n, crowd, 'delivery_p99_ms'):.2f}",
+                        shown(emit) + spread(config, n, crowd, "emit_p50_ms"),
+                        shown(emit / alone, 2),
+                        shown(itl),
+                        shown(itl / alone, 2),
+                        shown(med(config, n, crowd, "itl_p99_ms")),
+                        shown(med(config, n, crowd, "delivery_p50_ms"), 2),
+                        shown(med(config, n, crowd, "delivery_p99_ms"), 2),
+                        " / ".join(
+                            shown(med(config, n, crowd, f"{k}_cores"), 2)
+                            for k in ("engine", "gateway", "client")
+                            if any(f"{k}_cores" in r for r in rows if r["config"] == config)
+                        ),
                     ]
                 )
     header = ["configuration", "streams", "idle clients", "iteration p50 ms [range]", "/ alone"]
     header += ["client ITL p50 ms", "/ alone", "ITL p99 ms", "delivery p50 ms", "delivery p99 ms"]
+    header += ["cores: engine process / gateway / client (thread: gateway / client)"]
     lines = [
         "# Where the server's time goes: decode through the engine alone and through the server",
         "",
@@ -178,7 +234,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
         f"Tokens {WINDOW[0]}-{WINDOW[1]} of each stream (all streams decoding). Medians over {args.repeats} repeat(s),",
         "configurations alternating; ranges: lowest-highest repeat.",
         "",
-        *table(header, cells, "lrrrrrrrrr"),
+        *table(header, cells, "lrrrrrrrrrr"),
     ]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
