@@ -418,9 +418,10 @@ def main() -> None:
     ap.add_argument("--phase-s", type=float, default=20.0)
     ap.add_argument("--round4", action="store_true", help="issue 36's attacks too, on a server with an API key")
     ap.add_argument("--tbt-slo-ms", type=float, default=0.0, help="the server's TBT target (0: none, the default)")
+    ap.add_argument("--engine", choices=("process", "thread"), default="process", help="the server's --engine")
     args = ap.parse_args()
     raise_file_limit()  # this process holds 1,200 sockets at once
-    serve = ["--sim"] if args.sim else ["--threads", "1"]
+    serve = ["--engine", args.engine, *(["--sim"] if args.sim else ["--threads", "1"])]
     if args.tbt_slo_ms:
         serve += ["--tbt-slo-ms", f"{args.tbt_slo_ms:g}"]
     key = KEY if args.round4 else None
@@ -456,6 +457,7 @@ def write(
     command = "python -m bench.gateway.hostile_load" + (" --sim" if args.sim else "")
     command += f" --rounds {args.rounds} --phase-s {args.phase_s:g}" + (" --round4" if args.round4 else "")
     command += f" --tbt-slo-ms {args.tbt_slo_ms:g}" if args.tbt_slo_ms else ""
+    command += f" --engine {args.engine}"
     doc = {"command": command, "machine": m, "phases": phases, "start": start, "end": end, "kv_blocks_used_at_end": kv}
     path.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     lines = [

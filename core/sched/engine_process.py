@@ -3,12 +3,11 @@ step loop in a process of its own (vLLM V1's EngineCore shape).
 
 Why: in one process the step thread and the event loop share one interpreter
 lock. Every torch op hands the lock back and takes it again, and while the
-loop fans out tokens, encodes and writes frames, the step thread waits for it:
-decode iterations through the server took 1.03-1.19x the engine's alone on a
-thread, 0.94-1.02x in a process of their own
-(bench/results/server_overhead-trial-2026-12-03.md). Here the engine's process
-runs the same ``StepLoop`` on its own core and lock; the gateway's process
-keeps the event loop and the per-user queues.
+loop fans out tokens, encodes and writes frames, the step thread waits for it.
+Here the engine's process runs the same ``StepLoop`` on its own core and lock,
+whatever the gateway is doing; the gateway's process keeps the event loop and
+the per-user queues. On the 2-core Zen 4 both ways ran decode iterations at
+0.94-1.19x the engine's alone (bench/results/server_overhead-*.md).
 
 The wire: two pipes (one each way) of length-prefixed, pickled lists of messages. Gateway → engine: ``submit``,
 ``abort``, ``reconfigure``, ``stop``. Engine → gateway: each iteration's
