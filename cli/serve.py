@@ -172,7 +172,7 @@ def local_backend(
     process``, the default) or on this process's step thread (``--engine thread``)."""
     from functools import partial
 
-    from core.model.loader import load_tokenizer
+    from core.model.embedded import load_tokenizer
 
     tokenizer = load_tokenizer(None if args.sim else args.model)
     facts["engine"] = args.engine

@@ -139,7 +139,7 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     engines = args.engines.split(",")
     crowds = [0, args.crowd] if args.crowd else [0]
-    from core.model.loader import load_tokenizer
+    from core.model.embedded import load_tokenizer
 
     prompt_tokens = len(load_tokenizer().encode(PROMPT))
     rows: list[dict[str, object]] = []

