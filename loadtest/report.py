@@ -19,8 +19,7 @@ import httpx
 from tqdm import tqdm
 
 from core.analysis.traces import read_trace, replay
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
+from core.model.embedded import load_tokenizer
 from core.model.tokenizer import Tokenizer
 from loadtest.generator import (
     Arrival,
@@ -108,7 +107,7 @@ def set_config(target: str, api_key: str | None, changes: dict[str, Any]) -> dic
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     target = target_for(args)
     kind = workload(args)
     runs: list[dict[str, Any]] = []

@@ -134,12 +134,10 @@ def test_unreachable_target_is_a_clear_error():
 
 
 def test_prompts_are_unique_across_runs_with_the_same_seed():
-    from core.model.gguf import GGUFFile
-    from core.model.loader import embedded_model_path
-    from core.model.tokenizer import Tokenizer
+    from core.model.embedded import load_tokenizer
     from loadtest.generator import PromptMaker
 
-    tok = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tok = load_tokenizer()
     a, b = PromptMaker(tok, seed=0), PromptMaker(tok, seed=0)
     pa, pb = a(200), b(200)
     assert tok.encode(pa)[:16] != tok.encode(pb)[:16]  # no shared first KV block

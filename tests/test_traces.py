@@ -14,9 +14,7 @@ import pytest
 from core.analysis.cost_model import CostModel
 from core.analysis.simulator import VOCAB, report, simulate, trace_arrivals
 from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
-from core.model.tokenizer import Tokenizer
+from core.model.embedded import load_tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.timings import percentile
 from loadtest.generator import WordPrompts, trace_jobs
@@ -113,7 +111,7 @@ def test_bad_rows_name_their_line(tmp_path):
 
 
 def test_text_prompts_have_exact_lengths_and_the_traces_sharing():
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     rows = replay(read_trace(MOONCAKE), Replay(count=6, length_scale=0.25))
     jobs = trace_jobs(rows, WordPrompts(tokenizer, seed=3))
     encoded = [tokenizer.encode(job.prompt) for job in jobs]

@@ -19,8 +19,7 @@ import sys
 
 from bench.record import dated, describe, machine, table
 from core.build import ModelSettings, build_engine
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
+from core.model.embedded import load_tokenizer
 from core.model.tokenizer import Tokenizer
 from core.sched.config import SchedulerConfig
 from core.sched.engine import Engine
@@ -63,7 +62,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tokens", type=int, default=24)
     args = ap.parse_args()
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     rows = [r for dtype in args.dtypes.split(",") for r in compare(dtype, args.tokens, tokenizer)]
     m = machine()
     command = ("python -m bench.accuracy.disagg_greedy " + " ".join(sys.argv[1:])).strip()

@@ -42,8 +42,7 @@ from core.analysis.disagg_plan import Link
 from core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
 from core.analysis.profiler import Profile
 from core.analysis.simulator import make_arrival
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
+from core.model.embedded import load_tokenizer
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, Chunking, SchedulerConfig
 from core.sched.timings import percentile
@@ -193,7 +192,7 @@ def main() -> None:
     probe = probe_link(spec.kv_bytes_per_token, args.long_tokens)
     print(json.dumps({"link_probe": probe}), file=sys.stderr)
     prediction = predict(args, profile, Link(probe["gbps"], 0.0))
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     rows, texts = run(args, tokenizer)
     reference = texts["chunked, 2 colocated"]
     agreement = {setup: sum(a == b for a, b in zip(t, reference, strict=True)) for setup, t in texts.items()}

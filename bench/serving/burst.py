@@ -21,9 +21,7 @@ import httpx
 
 from bench.record import dated, table
 from bench.servers import StallfreeServer
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
-from core.model.tokenizer import Tokenizer
+from core.model.embedded import load_tokenizer
 from loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 
 
@@ -34,7 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--decoders", type=int, default=8)
     args = ap.parse_args()
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     server = StallfreeServer("--threads", "1", "--token-budget", "512", "--max-model-len", "4096")
     port = server.port
     rows = []

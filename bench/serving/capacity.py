@@ -67,8 +67,7 @@ from core.analysis.online_cost import OnlineCost
 from core.analysis.profiler import Profile, choose_budget
 from core.analysis.simulator import report, simulate, trace_arrivals
 from core.analysis.traces import Replay, TraceRequest, read_trace, replay
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
+from core.model.embedded import load_tokenizer
 from core.model.model_runner import resolve_dtype
 from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
@@ -150,7 +149,7 @@ def main() -> None:
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     base = dated("capacity")
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -34,10 +34,8 @@ import torch
 
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import VLLM, StallfreeServer, free_port, start_vllm, stop
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
+from core.model.embedded import load_tokenizer
 from core.model.model_runner import resolve_dtype
-from core.model.tokenizer import Tokenizer
 from loadtest.generator import (
     Arrival,
     OpenAITarget,
@@ -104,7 +102,7 @@ def main() -> None:
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     seed = 0
     rows: list[dict] = []
     streams_kept: dict[str, list] = {}

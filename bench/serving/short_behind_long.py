@@ -23,9 +23,7 @@ import httpx
 
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
-from core.model.tokenizer import Tokenizer
+from core.model.embedded import load_tokenizer
 from loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 
 MODES = {"short first": 0, "off (oldest partial first)": 1 << 20}  # long_prefill_tokens
@@ -38,7 +36,7 @@ def main() -> None:
     ap.add_argument("--shorts", type=int, default=4)
     ap.add_argument("--short-tokens", type=int, default=40)
     args = ap.parse_args()
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     server = StallfreeServer("--threads", "1", "--token-budget", "256", "--max-model-len", "4096")
     port = server.port
     url = f"http://127.0.0.1:{port}"

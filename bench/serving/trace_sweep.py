@@ -30,9 +30,7 @@ from bench.record import OUT, dated, describe, machine, table
 from bench.servers import StallfreeServer
 from bench.serving.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
 from core.analysis.traces import read_trace, replay
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path
-from core.model.tokenizer import Tokenizer
+from core.model.embedded import load_tokenizer
 from loadtest.generator import OpenAITarget, WordPrompts, summarize, trace_jobs
 from loadtest.report import replay_jobs
 
@@ -51,7 +49,7 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: the saved one, else measured)")
     args = ap.parse_args()
     spec: TraceSpec = TRACE_SPECS[args.trace]
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     window = replay(read_trace(spec.file), spec.at(args.rate, args.duration_s))
     settings = [("token_budget", int(b)) for b in args.budgets.split(",")]
     targets = [("tbt_slo_ms", float(t)) for t in args.targets.split(",")]

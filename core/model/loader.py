@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from core.model.embedded import TINY, ModelLoadError, embedded_model_path
+from core.model.embedded import TINY, ModelLoadError, embedded_model_path, load_tokenizer
 from core.model.gguf import GGUFError, GGUFFile
 from core.model.model_config import ModelConfig
 from core.model.tokenizer import Tokenizer
@@ -213,5 +213,5 @@ def load_tiny(seed: int = 0) -> LoadedModel:
             p + "mlp.up_proj.weight": rand(f, h),
             p + "mlp.down_proj.weight": rand(h, f),
         }
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(embedded_model_path()).metadata)
+    tokenizer = load_tokenizer()
     return LoadedModel(config, weights, tokenizer, TINY)
