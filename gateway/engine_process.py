@@ -216,7 +216,8 @@ class EngineProcess:
                 future.set_exception(EngineStopped(reason))
 
     def _kill(self) -> None:
-        """It ignores SIGTERM (see ``_engine_main``): what does not stop when asked is killed."""
+        """The engine process ignores SIGTERM (``core.sched.engine_process.engine_main``):
+        what does not stop when asked is killed."""
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)

@@ -574,18 +574,20 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     for c in doc["table"]:
         tbt, fixed, vllm = c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]
         v = vllm["capacity_req_per_s"] if vllm else 0.0
-        fixed = fixed or {"predicted_req_per_s": 0.0, "predicted_corrected_req_per_s": 0.0, "engine": "not run"}
-        fixed.setdefault("capacity_req_per_s", 0.0)
+
+        def guess(s: dict[str, Any] | None, key: str) -> str:
+            return f"{s[key]:.3g}" if s is not None else "–"  # no fixed budget searched: --stallfree-budgets none
+
         predicted = (
-            f"{tbt['predicted_req_per_s']:.3g}, {fixed['predicted_req_per_s']:.3g}; "
-            f"{tbt['predicted_corrected_req_per_s']:.3g}, {fixed['predicted_corrected_req_per_s']:.3g} req/s"
+            f"{guess(tbt, 'predicted_req_per_s')}, {guess(fixed, 'predicted_req_per_s')}; "
+            f"{guess(tbt, 'predicted_corrected_req_per_s')}, {guess(fixed, 'predicted_corrected_req_per_s')} req/s"
         )
         cells.append(
             [
                 c["trace"],
                 f"{c['slo']} ({c['slo_ms']:.0f} ms)",
                 f"{tbt['capacity_req_per_s']:.3g} req/s",
-                f"{fixed['capacity_req_per_s']:.3g} req/s ({fixed['engine']})",
+                f"{fixed['capacity_req_per_s']:.3g} req/s ({fixed['engine']})" if fixed else "–",
                 f"{v:.3g} req/s ({vllm['engine'] if vllm else '–'})",
                 f"{tbt['capacity_req_per_s'] / v:.2f}" if v else "–",
                 predicted,

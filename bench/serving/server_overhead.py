@@ -32,7 +32,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import orjson
 from websockets.asyncio.client import connect
@@ -46,8 +48,9 @@ MAX_TOKENS = 72
 WINDOW = (16, 64)  # token indices measured: after every prefill, before any stream ends
 
 
-def engine_alone(streams: list[int], prompt_tokens: int) -> dict[int, float]:
-    """Median decode iteration (ms) of the engine alone at each stream count."""
+def engine_alone(streams: list[int], prompt_tokens: int) -> tuple[dict[int, float], str]:
+    """Median decode iteration (ms) of the engine alone at each stream count, and
+    the dtype it ran (the default's, as the server's)."""
     import torch
 
     from bench.engine.model_throughput import decode_run
@@ -58,8 +61,9 @@ def engine_alone(streams: list[int], prompt_tokens: int) -> dict[int, float]:
     torch.set_num_threads(1)
     steps = WINDOW[1] - WINDOW[0]
     out = {n: decode_run(engine, runner, n, prompt_tokens, steps)["iteration_ms"] for n in streams}
+    dtype = str(runner.dtype).removeprefix("torch.")
     del engine, runner
-    return out
+    return out, dtype
 
 
 async def through_server(url: str, streams: int, crowd: int) -> dict[str, float]:
@@ -127,6 +131,15 @@ def processes(server: StallfreeServer) -> dict[str, int]:
     return {"gateway": server.proc.pid, **({"engine": engines[0]} if engines else {}), "client": os.getpid()}
 
 
+def with_cores(server: StallfreeServer, run: Coroutine[Any, Any, dict[str, float]]) -> dict[str, float]:
+    """Run the load; its figures and the cores each process used meanwhile."""
+    pids = processes(server)
+    before, started = {k: cpu_s(p) for k, p in pids.items()}, time.perf_counter()
+    result = asyncio.run(run)
+    wall = time.perf_counter() - started
+    return result | {f"{k}_cores": (cpu_s(p) - before[k]) / wall for k, p in pids.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", default="8,32,64")
@@ -144,7 +157,8 @@ def main() -> None:
     prompt_tokens = len(load_tokenizer().encode(PROMPT))
     rows: list[dict[str, object]] = []
     for rep in range(args.repeats):
-        for n, ms in engine_alone(streams, prompt_tokens).items():
+        alone, dtype = engine_alone(streams, prompt_tokens)
+        for n, ms in alone.items():
             rows.append({"repeat": rep, "config": "engine alone", "streams": n, "crowd": 0, "emit_p50_ms": ms})
             print(json.dumps(rows[-1]), file=sys.stderr)
         for engine in engines:
@@ -152,31 +166,23 @@ def main() -> None:
             try:
                 for crowd in crowds:
                     for n in streams:
-                        pids = processes(server)
-                        before, started = {k: cpu_s(p) for k, p in pids.items()}, time.perf_counter()
-                        result = asyncio.run(through_server(server.ws_url, n, crowd))
-                        wall = time.perf_counter() - started
-                        result |= {f"{k}_cores": (cpu_s(p) - before[k]) / wall for k, p in pids.items()}
+                        result = with_cores(server, through_server(server.ws_url, n, crowd))
                         rows.append({"repeat": rep, "config": f"--engine {engine}", "streams": n, "crowd": crowd})
                         rows[-1] |= result
                         print(json.dumps(rows[-1]), file=sys.stderr)
                 for n in streams if args.openai else []:
-                    pids = processes(server)
-                    before, started = {k: cpu_s(p) for k, p in pids.items()}, time.perf_counter()
-                    result = asyncio.run(through_openai(server.url, n))
-                    wall = time.perf_counter() - started
-                    result |= {f"{k}_cores": (cpu_s(p) - before[k]) / wall for k, p in pids.items()}
+                    result = with_cores(server, through_openai(server.url, n))
                     rows.append({"repeat": rep, "config": f"--engine {engine}, OpenAI API", "streams": n, "crowd": 0})
                     rows[-1] |= result
                     print(json.dumps(rows[-1]), file=sys.stderr)
             finally:
                 server.stop()
-    write(args, rows, streams)
+    write(args, rows, streams, dtype)
 
 
-def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list[int]) -> None:
+def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list[int], dtype: str) -> None:
     command = "python -m bench.serving.server_overhead " + " ".join(sys.argv[1:])
-    doc = {"command": command.strip(), "machine": machine(), "rows": rows}
+    doc = {"command": command.strip(), "machine": machine(), "dtype": dtype, "rows": rows}
     base = dated(args.out)
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
 
@@ -228,9 +234,10 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
     lines = [
         "# Where the server's time goes: decode through the engine alone and through the server",
         "",
-        f"`{doc['command']}`; {describe(doc['machine'])}; {os.cpu_count()} cores. One compute thread everywhere;",
-        "the load generator shares the cores. Iteration: the gap between two of the engine's emits (the engine",
-        "alone: its step's time). Client ITL: the gap the client sees. Delivery: client receive - engine emit.",
+        f"`{doc['command']}`; {describe(doc['machine'])}; {os.cpu_count()} cores; dtype {dtype}, one compute thread",
+        "everywhere; the load generator shares the cores. Iteration: the gap between two of the engine's emits",
+        "(the engine alone: its step's time). Client ITL: the gap the client sees.",
+        "Delivery: client receive - engine emit.",
         f"Tokens {WINDOW[0]}-{WINDOW[1]} of each stream (all streams decoding). Medians over {args.repeats} repeat(s),",
         "configurations alternating; ranges: lowest-highest repeat.",
         "",

@@ -219,6 +219,8 @@ def _run_command(loop: StepLoop, sender: _Sender, message: tuple[Any, ...]) -> b
 def _portable(exc: BaseException | None) -> BaseException | None:
     """The exception as the gateway can unpickle it (one whose constructor
     takes other arguments than its message cannot be: then a RuntimeError)."""
+    if exc is None:
+        return None
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:
