@@ -19,6 +19,7 @@ from core.analysis.sim_runner import SimRunner, VirtualClock
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.engine import Engine
 from core.sched.request import RequestStatus
+from core.sched.timings import weighted_percentile
 from tests.simkit import request, run_to_completion
 from tests.simkit import step_items as step
 
@@ -223,3 +224,35 @@ def test_the_aim_sizes_to_the_gap_decodes_got_not_to_the_prediction():
     assert set(missed[16:]) == {None}
     e.reconfigure({"tbt_slo_ms": 80.0})  # the ratio holds whatever the target
     assert all(e.step().iteration.target_missed is None for _ in range(50))
+
+
+class SlowWhenCrowded(FakeCost):
+    """The runner's time: FakeCost's, but 1.25 x when ten or more decode at once."""
+
+    def iteration_s(self, decode_contexts, chunks) -> float:
+        return super().iteration_s(decode_contexts, chunks) * (1.25 if len(decode_contexts) >= 10 else 1.0)
+
+
+def test_the_aim_counts_an_iteration_once_per_decode_as_the_slos_p99_counts_tokens():
+    # one crowded iteration in 150 runs 1.25 x its prediction: under 1 % of the
+    # iterations, but its 21 gaps are 14 % of the tokens' gaps, which the client's
+    # P99 counts; counted once per iteration, the aim would not see it at all
+    clock = VirtualClock()
+    config = SchedulerConfig(token_budget=256, max_num_seqs=64, tbt_slo_ms=50.0, max_model_len=65_536)
+    e = Engine(config, CacheConfig(8192, 16), SimRunner(SlowWhenCrowded(), 16, clock), clock, FakeCost())
+    decoding(e, 1, max_tokens=5000)
+    crowded = 0
+    for i in range(450):
+        if i % 150 == 0:
+            for j in range(20):  # prefilled together, then one decode each, all beside d0
+                e.add_request(request(f"s{i}-{j}", 4, max_tokens=2))
+        crowded += e.step().iteration.decode_tokens >= 10
+    assert crowded == 3
+    assert e.scheduler.aim == pytest.approx(1 / 1.25)
+
+
+def test_a_weighted_percentile_counts_each_value_as_often_as_its_weight():
+    assert weighted_percentile([(1.0, 99), (2.0, 1)], 99) == 1.0
+    assert weighted_percentile([(1.0, 98), (2.0, 2)], 99) == 2.0
+    assert weighted_percentile([(3.0, 1), (1.0, 1)], 50) == 1.0
+    assert weighted_percentile([(1.0, 0)], 99) == 0.0

@@ -29,7 +29,9 @@ at ``prefill_floor`` tokens (at least a quarter of them to the long prompt),
 and the batch says why it may run over (``Batch.over_target``). Chunks are
 sized to ``aim`` x the target: 1 over the 99th percentile of the gap decodes
 got (an iteration's end to the previous one's) over its predicted time, in
-the last 256 iterations sized to a target.
+the last 256 iterations sized to a target, each counted once per decode in it:
+the SLO's P99 is over tokens, and one slow iteration with 30 decodes puts 30
+gaps in the tail.
 
 With ``dynamic_chunking`` every iteration, the decodes and all its chunks, is
 also kept within the predicted time of a budget-sized chunk with no prefix
@@ -54,13 +56,14 @@ from core.sched.drafts import Drafter, NgramDrafter, expected_accepted
 from core.sched.handoff import KvImport
 from core.sched.policy import order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
-from core.sched.timings import percentile
+from core.sched.timings import weighted_percentile
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
 # The TBT target's aim: iterations are sized to aim x target, where the aim is 1 over the
 # AIM_PERCENTILE of (the gap decodes got) / (the iteration's predicted time) over the last
-# AIM_WINDOW iterations sized to a target: the prediction's error, the loop's own time
-# between iterations and the machine's noise, as a ratio, so it holds whatever the target.
+# AIM_WINDOW iterations sized to a target, weighted by their decodes (the percentile is over
+# tokens, as the SLO's is): the prediction's error, the loop's own time between iterations
+# and the machine's noise, as a ratio, so it holds whatever the target.
 AIM_PERCENTILE = 99.0
 AIM_WINDOW = 256
 AIM_FLOOR = 0.5
@@ -101,7 +104,8 @@ class Scheduler:
         self._target: _Target | None = None  # this iteration's, while scheduling
         self._level: _Target | None = None  # dynamic chunking's, while scheduling
         self.aim = 1.0  # the fraction of the TBT target iterations are sized to
-        self._gap_ratios: deque[float] = deque(maxlen=AIM_WINDOW)  # gap / predicted time, recent targeted iterations
+        # (gap / predicted time, decodes), recent targeted iterations
+        self._gap_ratios: deque[tuple[float, int]] = deque(maxlen=AIM_WINDOW)
         self._last_end_ns: int | None = None  # the previous iteration's end
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order, oldest first
@@ -551,15 +555,17 @@ class Scheduler:
     def _learn_aim(self, batch: Batch, start_ns: int, end_ns: int) -> None:
         """After an iteration sized within the TBT target: the gap its decodes got
         (from the previous iteration's end when they ran back to back, else its
-        own duration) over its predicted time joins the window the aim is read from."""
+        own duration) over its predicted time joins the window the aim is read
+        from, once for each of its decodes."""
         last, self._last_end_ns = self._last_end_ns, end_ns
         if not batch.target_s or batch.over_target is not None or batch.predicted_s <= 0:
             return
         back_to_back = last is not None and start_ns - last < batch.target_s * 0.1e9
         gap_s = (end_ns - (last if back_to_back and last is not None else start_ns)) / 1e9
-        self._gap_ratios.append(gap_s / batch.predicted_s)
+        decodes = sum(not item.is_prefill for item in batch.items)
+        self._gap_ratios.append((gap_s / batch.predicted_s, decodes))
         if len(self._gap_ratios) >= 16:
-            self.aim = max(AIM_FLOOR, min(1.0, 1.0 / percentile(self._gap_ratios, AIM_PERCENTILE)))
+            self.aim = max(AIM_FLOOR, min(1.0, 1.0 / weighted_percentile(self._gap_ratios, AIM_PERCENTILE)))
 
     def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
         """Did another request's prefill run after req's previous token, up to now?

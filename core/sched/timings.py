@@ -27,6 +27,23 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def weighted_percentile(pairs: Iterable[tuple[float, int]], q: float) -> float:
+    """The smallest value that at least q % of the weight lies at or below (q in
+    0..100): a percentile of (value, count) pairs, each pair standing for count
+    equal values, such as an iteration's ratio for each of its decodes' gaps.
+    0.0 for no weight."""
+    ordered = sorted(pairs)
+    total = sum(weight for _, weight in ordered)
+    if total <= 0:
+        return 0.0
+    needed, seen = total * q / 100.0, 0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= needed:
+            return value
+    return ordered[-1][0]
+
+
 def gaps_ns(timeline: Timeline) -> list[int]:
     t = timeline.token_ns
     return [b - a for a, b in itertools.pairwise(t)]
