@@ -205,7 +205,7 @@ def test_a_cold_start_learns_at_once_and_one_outlier_then_moves_it_a_bounded_ste
 
 def test_the_aim_sizes_to_the_gap_decodes_got_not_to_the_prediction():
     # the runner is 1.2 x slower than the (fixed) model says: sized to the whole
-    # target, every iteration would miss; the aim, 1 over the 99th percentile of
+    # target, every iteration would miss; the aim, 1 over the 99.9th percentile of
     # gap / predicted time, sizes to 1 / 1.2 of it once 16 iterations have told it
     clock = VirtualClock()
     runner = SimRunner(FakeCost(), 16, clock, time_scale=1.2)

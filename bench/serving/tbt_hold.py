@@ -1,0 +1,178 @@
+"""Does the TBT target hold as the client sees it, and where do the client's
+gaps part from the engine's? One capacity trial (a trace's first requests at
+a fixed rate), replayed several times against one ``stallfree serve`` started
+fresh with the target set, over the WebSocket API with ``"timestamps": true``.
+
+    .venv/bin/python -m bench.serving.tbt_hold --rate 13.166 --target-ms 227.8 \\
+        --profile bench/results/profile-2026-12-03.json [--trials 3]
+
+For every token: the engine's emit time, the gateway's send time and the
+client's receive time (perf_counter_ns, shared by the processes), so each
+gap is told three ways: the engine's, the gateway's and the client's. The
+dashboard's feed (``/ws/telemetry``) gives every iteration's measured and
+predicted time, so the prediction's scatter is reported beside. The first
+trial after start (the aim has learnt nothing yet) is reported apart from
+the later ones, pooled. Warm-up requests (the first tenth) are left out, as
+in ``bench.serving.capacity``. Runs under ``bench.before_after`` (``--out``)
+to compare two trees. Writes bench/results/<out>-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+import orjson
+from websockets.asyncio.client import connect
+
+from bench.record import dated, describe, machine, table
+from bench.servers import StallfreeServer
+from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS
+from core.analysis.traces import read_trace, replay
+from core.model.embedded import load_tokenizer
+from core.sched.timings import percentile
+from loadtest.generator import Arrival, WordPrompts, trace_jobs
+
+Token = tuple[int, int, int]  # emit, sent, received (ns)
+
+
+async def generate(url: str, job: Arrival, t0: float) -> list[Token]:
+    await asyncio.sleep(max(0.0, job.at_s - (time.perf_counter() - t0)))
+    frame = {
+        "type": "generate",
+        "id": "t",
+        "prompt": job.prompt,
+        "max_tokens": job.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "timestamps": True,
+    }
+    tokens: list[Token] = []
+    async with connect(url, max_size=None) as ws:
+        await ws.send(orjson.dumps(frame).decode())
+        async for raw in ws:
+            now = time.perf_counter_ns()
+            f = orjson.loads(raw)
+            if f["type"] == "token" and f["token_ids"]:
+                tokens.append((f["emit_ns"], f["sent_ns"], now))
+            elif f["type"] in ("done", "error"):
+                break
+    return tokens
+
+
+async def iterations(url: str, into: list[list[float]], stop: asyncio.Event) -> None:
+    """Every iteration the dashboard's feed reports:
+    [end ms, duration ms, decodes, prefill, budget, predicted ms, target]."""
+    async with connect(url, max_size=None) as ws:
+        while not stop.is_set():
+            try:
+                raw = await asyncio.wait_for(ws.recv(), 0.5)
+            except TimeoutError:
+                continue
+            into.extend(orjson.loads(raw).get("iterations", []))
+
+
+async def trial(sf: StallfreeServer, jobs: list[Arrival], warmup: float) -> tuple[list[list[Token]], list[list[float]]]:
+    its: list[list[float]] = []
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(iterations(sf.url.replace("http", "ws") + "/ws/telemetry", its, stop))
+    await asyncio.sleep(0.5)
+    t0 = time.perf_counter()
+    streams = await asyncio.gather(*(generate(sf.ws_url, job, t0) for job in jobs))
+    stop.set()
+    await watcher
+    measured = [s for job, s in sorted(zip(jobs, streams, strict=True), key=lambda p: p[0].at_s)]
+    return measured[int(len(measured) * warmup) :], its
+
+
+def figures(streams: list[list[Token]], its: list[list[float]], target_ms: float) -> dict[str, float]:
+    gaps: dict[str, list[float]] = {"engine": [], "gateway": [], "client": []}
+    for tokens in streams:
+        for a, b in itertools.pairwise(tokens):
+            for i, kind in enumerate(gaps):
+                gaps[kind].append((b[i] - a[i]) / 1e6)
+    delivery = [(t[2] - t[0]) / 1e6 for tokens in streams for t in tokens]
+    ratios = [it[1] / it[5] for it in its if it[2] > 0 and it[5] > 0]  # iterations with decodes
+    out = {f"{kind}_p99_ms": percentile(g, 99) for kind, g in gaps.items()}
+    out |= {
+        "client_p50_ms": percentile(gaps["client"], 50),
+        "client_max_ms": max(gaps["client"], default=0.0),
+        "client_over_target_share": sum(g > target_ms for g in gaps["client"]) / max(1, len(gaps["client"])),
+        "met": float(percentile(gaps["client"], 99) <= target_ms),
+        "delivery_p99_ms": percentile(delivery, 99),
+        "measured_over_predicted_p50": percentile(ratios, 50),
+        "measured_over_predicted_p99": percentile(ratios, 99),
+        "measured_over_predicted_max": max(ratios, default=0.0),
+        "gaps": len(gaps["client"]),
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", choices=list(TRACE_SPECS), default="azure")
+    ap.add_argument("--rate", type=float, required=True, help="requests per second (the trace's pattern scaled)")
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--warmup", type=float, default=0.1, help="share of the requests left out of the figures")
+    ap.add_argument("--target-ms", type=float, required=True, help="the TBT target set on the server")
+    ap.add_argument("--trials", type=int, default=3, help="after start; the first is reported apart")
+    ap.add_argument("--profile", required=True, help="the server's cost model")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default="tbt_hold", help="result file stem under bench/results/ (dated)")
+    args = ap.parse_args()
+    spec = TRACE_SPECS[args.trace]
+    tokenizer = load_tokenizer()
+    rows = read_trace(spec.file)
+    sf = StallfreeServer(
+        *("--model", str(MODEL_DIR), "--dtype", args.dtype, "--threads", "1", "--max-num-seqs", "64"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", args.profile),
+    )
+    runs: list[tuple[list[list[Token]], list[list[float]]]] = []
+    try:
+        httpx.put(sf.url + "/api/config", json={"tbt_slo_ms": args.target_ms}, timeout=30).raise_for_status()
+        for _ in range(args.trials):
+            window = replay(rows, spec.at(args.rate, args.requests))
+            jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
+            runs.append(asyncio.run(trial(sf, jobs, args.warmup)))
+            print(json.dumps(figures(*runs[-1], args.target_ms)), file=sys.stderr, flush=True)
+    finally:
+        sf.stop()
+    first, later = runs[0], runs[1:]
+    results = {"first trial": figures(*first, args.target_ms)}
+    if later:
+        pooled = [s for r in later for s in r[0]], [i for r in later for i in r[1]]
+        results["later trials"] = figures(*pooled, args.target_ms)
+        results["later trials"]["met"] = sum(figures(*r, args.target_ms)["met"] for r in later) / len(later)
+    doc: dict[str, Any] = {
+        "command": "python -m bench.serving.tbt_hold " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "trace": spec.name,
+        "replay": spec.describe(args.requests),
+        "results": results,
+    }
+    base = dated(args.out)
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    metrics = list(results["first trial"])
+    align = "l" + "r" * len(results)
+    lines = [
+        f"# Does the TBT target hold as the client sees it ({doc['date']})",
+        "",
+        f"`{doc['command']}` on {describe(doc['machine'])}; {spec.name} at {args.rate:g} req/s, "
+        f"target {args.target_ms:g} ms. `met`: the client's P99 gap within the target "
+        "(later trials: the share of them).",
+        "",
+        *table(["", *results], [[m, *(f"{r[m]:.3g}" for r in results.values())] for m in metrics], align),
+    ]
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
