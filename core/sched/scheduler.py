@@ -65,10 +65,10 @@ SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may 
 # AIM_WINDOW iterations sized to a target, weighted by their decodes (the percentile is over
 # tokens, as the SLO's is): the prediction's error, the loop's own time between iterations
 # and the machine's noise, as a ratio, so it holds whatever the target. 99.9, not the SLO's
-# 99: on the 2-core Zen 4, Azure trace at 13 req/s, measured / predicted ran p99 1.2-1.46
-# and max 1.2-1.7 per 200 iterations, and the client's P99 over those iterations' 2,000
-# gaps was their worst crowded iteration's; aimed at the 99th it missed a 228 ms target in
-# 4 trials of 6 (233-241 ms), at the 99.9th in 1 of 3, the first after start (243 ms).
+# 99: a trial's P99 over 2,000 gaps is its one or two worst crowded iterations'. Measured
+# (bench/results/before_after-2026-12-03, 2-core Zen 4, Azure at 13 req/s, 228 ms): measured
+# / predicted ran p99 1.2-1.46 and max 1.27-1.75 per 200 iterations, and the two aims met the
+# target in 5 trials of 6 each: outliers that rare no recent percentile foresees.
 AIM_PERCENTILE = 99.9
 AIM_WINDOW = 256
 AIM_FLOOR = 0.5
