@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import orjson
+import torch
 from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
@@ -42,6 +43,7 @@ from bench.servers import StallfreeServer
 from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS
 from core.analysis.traces import read_trace, replay
 from core.model.embedded import load_tokenizer
+from core.model.model_runner import resolve_dtype
 from core.sched.timings import percentile
 from loadtest.generator import Arrival, WordPrompts, trace_jobs
 
@@ -197,10 +199,11 @@ def main() -> None:
     ap.add_argument("--out", default="tbt_hold", help="result file stem under bench/results/ (dated)")
     args = ap.parse_args()
     spec = TRACE_SPECS[args.trace]
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     tokenizer = load_tokenizer()
     rows = read_trace(spec.file)
     sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", args.dtype, "--threads", "1", "--max-num-seqs", "64"),
+        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", args.profile),
     )
     runs: list[TrialRecord] = []
@@ -220,6 +223,7 @@ def main() -> None:
         "command": "python -m bench.serving.tbt_hold " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
+        "dtype": dtype,
         "trace": spec.name,
         "replay": spec.describe(args.requests),
         "results": results,
@@ -231,7 +235,8 @@ def main() -> None:
     lines = [
         f"# Does the TBT target hold as the client sees it ({doc['date']})",
         "",
-        f"`{doc['command']}` on {describe(doc['machine'])}; {spec.name} at {args.rate:g} req/s, "
+        f"`{doc['command']}` on {describe(doc['machine'])}; {dtype}, one compute thread; "
+        f"{spec.name} at {args.rate:g} req/s, "
         f"target {args.target_ms:g} ms. `met`: the client's P99 gap within the target "
         "(later trials: the share of them).",
         "",
