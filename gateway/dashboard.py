@@ -37,6 +37,7 @@ class TelemetryHub:
                 "token_budget": cfg.token_budget,
                 "policy": cfg.policy,
                 "tbt_slo_ms": cfg.tbt_slo_ms,
+                "ttft_slo_ms": cfg.ttft_slo_ms,
                 "speculate": cfg.speculate,
             }
             text = orjson.dumps(self.client.telemetry.frame(config)).decode()

@@ -10,6 +10,11 @@ picker) scrapes from a model server: ``vllm:num_requests_waiting``,
 ``vllm:num_requests_running`` and ``vllm:gpu_cache_usage_perc`` /
 ``vllm:kv_cache_usage_perc`` (0-1). With replicas (scale-out) the plain
 gauges are the sums and ``stallfree_replica_*`` carry each replica's.
+
+Goodput: every ended request is judged once against its targets
+(``gateway.observers.goodness``); ``stallfree_requests_good`` over
+``stallfree_requests_finished`` is the share of good requests, and
+``stallfree_target_met`` says which target the others missed.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from core.sched.batch import IterationRecord
 from core.sched.config import CHUNKING_MODES
 from core.sched.engine import Counts
 from core.sched.request import FinishReason, Request
-from core.sched.timings import gaps_ns
-from gateway.observers import Emitted, Observer
+from core.sched.timings import request_timings
+from gateway.observers import Emitted, Observer, goodness
 
 LATENCY_BUCKETS = (
     0.001,
@@ -56,6 +61,9 @@ LATENCY_BUCKETS = (
 )
 # measured / predicted iteration time: 1 is a perfect prediction
 RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+# on_time: admitted, forecast to meet its TTFT target; late: admitted best-effort,
+# forecast to miss it; shed: refused (429)
+ADMISSION_VERDICTS = ("on_time", "late", "shed")
 
 
 class Metrics(Observer):
@@ -117,6 +125,27 @@ class Metrics(Observer):
             registry=r,
         )
         self.finished = Counter("stallfree_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.good = Counter(
+            "stallfree_requests_good", "Finished requests that completed and met their TTFT and TBT targets", registry=r
+        )
+        self.target_met = Counter(
+            "stallfree_target_met",
+            "Finished requests that met each target (TTFT: their first token; TBT: the P99 of their gaps; "
+            "a target of 0 is met by anything)",
+            ["target"],
+            registry=r,
+        )
+        self.admission = Counter(
+            "stallfree_admission",
+            "Admission verdicts against the TTFT target's queue forecast: on_time, late (admitted best-effort), "
+            "shed (refused)",
+            ["verdict"],
+            registry=r,
+        )
+        for target in ("ttft", "tbt"):  # 0, not absent, until the first request ends
+            self.target_met.labels(target)
+        for verdict in ADMISSION_VERDICTS:
+            self.admission.labels(verdict)
         self.aborts = Counter("stallfree_aborts", "Requests aborted (cancel, disconnect, stop string)", registry=r)
         self.errors = Counter("stallfree_errors", "Errors returned to clients, by code", ["code"], registry=r)
         self.gie_waiting = Gauge("vllm:num_requests_waiting", "Requests queued (Inference Extension name)", registry=r)
@@ -171,6 +200,10 @@ class Metrics(Observer):
         for gauge in self.gie_kv:
             gauge.set(c.kv_used_blocks / total if total else 0.0)
 
+    def on_admission(self, verdict: str) -> None:
+        """A request judged at admission (one of ``ADMISSION_VERDICTS``)."""
+        self.admission.labels(verdict).inc()
+
     def on_error(self, code: str) -> None:
         self.errors.labels(code).inc()
 
@@ -200,7 +233,12 @@ class Metrics(Observer):
 
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         tl = req.timeline
+        timings = request_timings(tl)
+        judged = goodness(req, finish_reason, timings)
         self.finished.labels(finish_reason).inc()
+        self.good.inc(judged.good)
+        self.target_met.labels("ttft").inc(judged.ttft_met)
+        self.target_met.labels("tbt").inc(judged.tbt_met)
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.prefix_hit_tokens.inc(req.num_cached_tokens)
         if finish_reason == FinishReason.ABORT:
@@ -214,7 +252,7 @@ class Metrics(Observer):
             self.ttft.observe((tl.first_token_ns - tl.arrival_ns) / 1e9)
             self.prefill.observe((tl.first_token_ns - scheduled) / 1e9)
             self.decode.observe((tl.finished_ns - tl.first_token_ns) / 1e9)
-            self.max_gap.observe(max(gaps_ns(tl), default=0) / 1e9)
+            self.max_gap.observe(timings.max_gap_ms / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

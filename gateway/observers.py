@@ -18,7 +18,7 @@ from core.model.tokenizer import Tokenizer
 from core.sched.batch import IterationRecord
 from core.sched.engine import Counts
 from core.sched.request import FinishReason, Request
-from core.sched.timings import request_timings
+from core.sched.timings import Goodness, RequestTimings, judge, request_timings
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +63,16 @@ class Observer:
         """A reader too slow for its output was cut off (its KV freed)."""
 
 
+COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def goodness(req: Request, finish_reason: FinishReason, timings: RequestTimings) -> Goodness:
+    """A finished request against the targets the scheduler gave it: the one
+    judgment behind metrics, spans, the log and the dashboard (a request that
+    never reached the scheduler had none)."""
+    return judge(timings, req.ttft_slo_ms or 0.0, req.tbt_slo_ms, finish_reason in COMPLETED)
+
+
 class RequestLog(Observer):
     """One ``request_finished`` line per request; prompt and completion text
     only when asked for (``--log-text``)."""
@@ -72,6 +82,8 @@ class RequestLog(Observer):
         self.log_text = log_text
 
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
+        timings = request_timings(req.timeline)
+        judged = goodness(req, finish_reason, timings)
         fields: dict[str, Any] = {
             "request_id": req.request_id,
             "tenant": req.tenant,
@@ -80,7 +92,12 @@ class RequestLog(Observer):
             "completion_tokens": req.num_output_tokens,
             "cached_tokens": req.num_cached_tokens,
             "preemptions": req.num_preemptions,
-            **request_timings(req.timeline).as_dict(),
+            **timings.as_dict(),
+            "ttft_slo_ms": req.ttft_slo_ms or 0.0,
+            "tbt_slo_ms": req.tbt_slo_ms,
+            "good": judged.good,
+            "ttft_met": judged.ttft_met,
+            "tbt_met": judged.tbt_met,
         }
         if self.log_text:
             fields["prompt"] = self.tokenizer.decode(req.prompt_token_ids)

@@ -4,7 +4,9 @@ Fed from the same per-iteration fan-out (and the same engine timestamps) as
 the metrics. Frames are built at most ``FRAMES_PER_S`` times a second and
 only while someone watches; with hundreds of streams a frame stays small
 because only ``MAX_SERIES`` streams are sent gap by gap (every gap still
-counts in the rolling p50/p99/max).
+counts in the rolling p50/p99/max). The share of good requests is over the
+last ``GOOD_WINDOW`` requests that ended (a count, not a time, so that it
+stays readable at a few requests a minute) and over all since start.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 from core.cluster.stats import ReplicaStats
 from core.sched.batch import IterationRecord
 from core.sched.request import FinishReason, Request
-from core.sched.timings import percentile
-from gateway.observers import Emitted, Observer
+from core.sched.timings import Goodness, percentile, request_timings
+from gateway.observers import Emitted, Observer, goodness
 
 FRAMES_PER_S = 10
 MAX_SERIES = 12
 WINDOW_S = 10.0
 MAX_PENDING = 2000  # per kind, between two frames
+GOOD_WINDOW = 200  # requests
 
 
 class Telemetry(Observer):
@@ -39,6 +42,8 @@ class Telemetry(Observer):
         self._slots: dict[str, int] = {}
         self._last: IterationRecord | None = None
         self._replicas: list[ReplicaStats] = []  # scale-out: each replica's latest report
+        self._judged: deque[Goodness] = deque(maxlen=GOOD_WINDOW)
+        self._total = {"requests": 0, "good": 0, "ttft_met": 0, "tbt_met": 0}  # since start
 
     def _ms(self, ns: int) -> float:
         return round((ns - self._t0) / 1e6, 2)
@@ -81,6 +86,12 @@ class Telemetry(Observer):
     def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
         self._slots.pop(req.request_id, None)
         tl = req.timeline
+        judged = goodness(req, finish_reason, request_timings(tl))
+        self._judged.append(judged)
+        self._total["requests"] += 1
+        self._total["good"] += judged.good
+        self._total["ttft_met"] += judged.ttft_met
+        self._total["tbt_met"] += judged.tbt_met
         if tl.first_token_ns is None or len(self._ttfts) >= MAX_PENDING:
             return
         scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else tl.first_token_ns
@@ -128,6 +139,19 @@ class Telemetry(Observer):
             "tokens_per_step": round(per_step, 3),
         }
 
+    def _goodput(self) -> dict[str, dict[str, int]]:
+        """Ended requests, the good ones and those that met each target: the last ``GOOD_WINDOW``, and since start."""
+        recent = self._judged
+        return {
+            "recent": {
+                "requests": len(recent),
+                "good": sum(j.good for j in recent),
+                "ttft_met": sum(j.ttft_met for j in recent),
+                "tbt_met": sum(j.tbt_met for j in recent),
+            },
+            "total": dict(self._total),
+        }
+
     def frame(self, config: dict[str, Any]) -> dict[str, Any]:
         """Everything since the previous frame, plus rolling gap statistics."""
         now = time.perf_counter_ns()
@@ -148,6 +172,7 @@ class Telemetry(Observer):
                 "count": len(gaps),
                 "window_s": WINDOW_S,
             },
+            "goodput": self._goodput(),
             "state": {**self._state(), "target_missed": self._missed, **self._speculation(), **config},
         }
         if self._replicas:

@@ -7,6 +7,8 @@ Configured by the standard ``OTEL_*`` variables and off unless an OTLP
 endpoint is set; spans go through a BatchSpanProcessor, whose worker thread
 does all exporting (an unreachable collector costs a logged warning).
 Optional ``engine.iteration`` spans (sampled) link to the requests they served.
+The root span carries the request's verdict against its targets
+(``stallfree.good``), so a trace search finds the requests that missed one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from core.sched.batch import IterationRecord
 from core.sched.request import FinishReason, Request
 from core.sched.timings import request_timings
-from gateway.observers import Observer
+from gateway.observers import Observer, goodness
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +111,8 @@ class Tracing(Observer):
         if root is None:
             return
         tl = req.timeline
+        t = request_timings(tl)
+        judged = goodness(req, finish_reason, t)
         end = tl.finished_ns if tl.finished_ns is not None else time.perf_counter_ns()
         scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else end
         parent = trace.set_span_in_context(root)
@@ -130,7 +134,6 @@ class Tracing(Observer):
                 )
             prefill.end(self._wall(first))
             if tl.first_token_ns is not None:
-                t = request_timings(tl)
                 decode = self.tracer.start_span("decode", parent, start_time=self._wall(first))
                 decode.set_attributes(
                     {
@@ -151,6 +154,12 @@ class Tracing(Observer):
                 "gen_ai.response.finish_reasons": [finish_reason],
                 "stallfree.cached_tokens": req.num_cached_tokens,
                 "stallfree.preemptions": req.num_preemptions,
+                "stallfree.max_gap_ms": t.max_gap_ms,
+                "stallfree.ttft_slo_ms": req.ttft_slo_ms or 0.0,
+                "stallfree.tbt_slo_ms": req.tbt_slo_ms,
+                "stallfree.ttft_target_met": judged.ttft_met,
+                "stallfree.tbt_target_met": judged.tbt_met,
+                "stallfree.good": judged.good,
             }
         )
         root.end(self._wall(end))

@@ -93,6 +93,9 @@ async def test_page_loads_and_charts_receive_points(server, browser):
     await page.page.wait_for_function("window.dashboard.gapPoints > 50 && window.dashboard.iterations > 20")
     tile = await page.page.inner_text("#p99")
     assert tile.endswith("ms")
+    await page.page.wait_for_function("window.dashboard.goodRequests >= 4")
+    assert (await page.page.inner_text("#good")).endswith("%")
+    assert "TTFT met" in await page.page.inner_text("#good-targets")
     assert await page.page.inner_text("#conn") == "live"
     assert await page.page.is_hidden("#auth")  # no key needed on this server
     assert page.errors == []
@@ -107,18 +110,23 @@ async def test_chunking_toggle_changes_the_server_config(server, browser):
     assert cfg["chunking"] == "none"
     await page.page.fill("#budget", "320")
     await page.page.fill("#tbt", "120")
+    await page.page.fill("#ttft", "900")
     await page.page.select_option("#chunking", "stall_free")
     await page.page.click("#apply")
     await page.page.wait_for_function("document.getElementById('status').textContent.includes('budget 320')")
     cfg = (await asyncio.to_thread(httpx.get, server.url + "/api/config")).json()["scheduler"]
-    assert (cfg["chunking"], cfg["token_budget"], cfg["tbt_slo_ms"]) == ("stall_free", 320, 120)
-    assert "TBT target 120" in await page.page.inner_text("#status")
+    assert (cfg["chunking"], cfg["token_budget"]) == ("stall_free", 320)
+    assert (cfg["tbt_slo_ms"], cfg["ttft_slo_ms"]) == (120, 900)
+    assert "TBT target 120, TTFT target 900" in await page.page.inner_text("#status")
+    await page.page.wait_for_function("document.getElementById('mode').textContent.includes('TTFT 900 ms')")
     assert page.errors == []
     await page.page.fill("#tbt", "-5")
     await page.page.click("#apply")
     await page.page.wait_for_function("document.getElementById('status').textContent.includes('tbt_slo_ms must be')")
     assert all("400 (Bad Request)" in e for e in page.errors)  # the browser logs the refusal, nothing else
-    await asyncio.to_thread(httpx.put, server.url + "/api/config", json={"token_budget": 256, "tbt_slo_ms": 0})
+    await asyncio.to_thread(
+        httpx.put, server.url + "/api/config", json={"token_budget": 256, "tbt_slo_ms": 0, "ttft_slo_ms": 0}
+    )
 
 
 @pytest.mark.parametrize("chunking", ["stall_free", "none", "tbt"])

@@ -74,6 +74,7 @@ async def test_span_tree_phases_and_parent_links(monkeypatch):
         a = attrs(ws_root)
         assert a["gen_ai.request.model"] == "smol" and a["gen_ai.usage.output_tokens"] == 6
         assert a["gen_ai.usage.input_tokens"] > 300 and a["gen_ai.response.finish_reasons"] == ["length"]
+        assert a["stallfree.good"] and a["stallfree.ttft_slo_ms"] == 0  # no targets: completing is enough
         children = {s.name: s for s in receiver.spans if s.parent_span_id == ws_root.span_id}
         assert set(children) == {"queue_wait", "prefill", "decode"}
         q, p, d = children["queue_wait"], children["prefill"], children["decode"]
@@ -144,6 +145,7 @@ async def test_metrics_change_as_requests_run():
         assert sample(after, "stallfree_generation_tokens_total") == 30
         assert sample(after, "stallfree_prompt_tokens_total") > 600
         assert sample(after, "stallfree_requests_finished_total", finish_reason="length") == 3
+        assert sample(after, "stallfree_requests_good_total") == 3
         assert sample(after, "stallfree_errors_total", code="invalid_request") == 1
         assert sample(after, "stallfree_iteration_duration_seconds_count") > 10
         buckets = [sample(after, "stallfree_itl_seconds_bucket", le=le) for le in ("0.001", "0.002", "+Inf")]
@@ -174,6 +176,7 @@ async def test_one_log_event_per_finished_request_without_text():
         e = finished[0]
         assert e["completion_tokens"] == 4 and e["finish_reason"] == "length"
         assert {"queue_wait_ms", "prefill_ms", "decode_ms", "ttft_ms", "max_gap_ms"} <= set(e)
+        assert e["good"] and e["ttft_met"] and e["tbt_met"]
         assert "prompt" not in e and "secret" not in str(e)
     finally:
         server.stop()

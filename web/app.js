@@ -14,6 +14,7 @@ const WS_BASE = (location.protocol === "https:" ? "wss://" : "ws://") + location
 const dash = window.dashboard = {
   connected: false, frames: 0, gapPoints: 0, stalledPoints: 0, iterations: 0,
   maxPrefill: 0, maxPrefillBesideDecodes: 0, prefillTokens: 0, demoDone: false, chatReplies: 0, predicted: 0,
+  goodRequests: 0,
 };
 let apiKey = sessionStorage.getItem("stallfree-key") || "";
 const $ = (id) => document.getElementById(id);
@@ -121,12 +122,26 @@ function onFrame(f) {
   $("max").textContent = st.count ? `${st.max.toFixed(0)} ms` : "–";
   $("counts").textContent = `${s.running} / ${s.waiting} / ${s.partial_prefills}`;
   $("kv").textContent = `${s.kv_used} / ${s.kv_cached} / ${s.kv_free}`;
-  $("mode").textContent = `${s.chunking} · ${s.token_budget}` + (s.tbt_slo_ms ? ` · ${s.tbt_slo_ms} ms` : "");
+  $("mode").textContent = `${s.chunking} · ${s.token_budget}` + (s.tbt_slo_ms ? ` · TBT ${s.tbt_slo_ms} ms` : "") +
+                          (s.ttft_slo_ms ? ` · TTFT ${s.ttft_slo_ms} ms` : "");
   $("missed").textContent = `${s.target_missed}`;
   $("drafts").textContent = s.speculate === "off" ? "off" : s.draft_tokens
     ? `${(100 * s.accepted_tokens / s.draft_tokens).toFixed(0)}% · ${s.tokens_per_step.toFixed(2)} (declined ${s.drafts_declined})`
     : `none yet (declined ${s.drafts_declined})`;
+  showGoodput(f.goodput);
   showReplicas(f.replicas);
+}
+
+const percent = (n, of) => `${(100 * n / of).toFixed(0)}%`;
+
+function showGoodput({ recent: r, total: t }) {
+  dash.goodRequests = r.requests;
+  $("good-of").textContent = `good, of the last ${r.requests} requests`;
+  $("good").textContent = r.requests ? percent(r.good, r.requests) : "–";
+  $("good-targets").textContent = r.requests
+    ? `TTFT met ${percent(r.ttft_met, r.requests)}, TBT met ${percent(r.tbt_met, r.requests)}; ` +
+      `since start ${percent(t.good, t.requests)} of ${t.requests}`
+    : "";
 }
 
 function showReplicas(replicas) {
@@ -189,6 +204,7 @@ async function loadConfig() {
   $("chunking").value = c.chunking;
   $("budget").value = c.token_budget;
   $("tbt").value = c.tbt_slo_ms;
+  $("ttft").value = c.ttft_slo_ms;
   $("policy").value = c.policy;
   $("speculate").value = c.speculate;
 }
@@ -202,7 +218,8 @@ async function applyConfig(changes) {
   if (!r.ok) { status(body.error.message); return; }
   const c = body.scheduler;
   if ("token_budget" in changes) $("budget").value = c.token_budget;  // shows a clamp
-  status(`applied: ${c.chunking}, budget ${c.token_budget}, TBT target ${c.tbt_slo_ms || "off"}, ${c.policy}, ` +
+  status(`applied: ${c.chunking}, budget ${c.token_budget}, TBT target ${c.tbt_slo_ms || "off"}, ` +
+         `TTFT target ${c.ttft_slo_ms || "off"}, ${c.policy}, ` +
          `speculate ${c.speculate}` +
          (body.warnings.length ? ` (${body.warnings.join("; ")})` : ""));
 }
@@ -212,7 +229,8 @@ $("policy").onchange = () => applyConfig({ policy: $("policy").value });
 $("speculate").onchange = () => applyConfig({ speculate: $("speculate").value });
 $("apply").onclick = () => applyConfig({ chunking: $("chunking").value, policy: $("policy").value,
                                          token_budget: Number($("budget").value),
-                                         tbt_slo_ms: Number($("tbt").value) });
+                                         tbt_slo_ms: Number($("tbt").value),
+                                         ttft_slo_ms: Number($("ttft").value) });
 
 // ---------------------------------------------------------------- streams
 let api = null;
