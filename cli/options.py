@@ -134,6 +134,7 @@ SCHEDULER_FIELDS = (
     "decode_reserve_tokens",
     "long_prefill_tokens",
     "tbt_slo_ms",
+    "ttft_slo_ms",
     "speculate",
     "draft_tokens",
     "ngram_min",
@@ -168,6 +169,12 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         type=float,
         help="TBT target: while decodes run, each iteration's prefill is cut so its predicted time stays "
         "within this many ms (default 0: off; the token budget alone)",
+    )
+    g.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        help="TTFT target: waiting and partly prefilled prompts go least slack first (deadline minus the "
+        "predicted prefill time still needed); a request may set its own (ttft_slo_ms). Default 0: off",
     )
     g.add_argument(
         "--speculate",

@@ -59,6 +59,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=0.0,
         help="tokens/s each API key may use, prompt + generated (429 with Retry-After beyond; default: no limit)",
     )
+    gw.add_argument(
+        "--shed-load",
+        action="store_true",
+        help="refuse at once (429, Retry-After) a request the queue forecast says cannot meet its TTFT target "
+        "because of the queue ahead, instead of admitting it best-effort (live: PUT /api/config shed_load)",
+    )
     gw.add_argument("--slow-consumer-s", type=float, default=30.0, help="unread tokens this old cancel a stream")
     gw.add_argument(
         "--stalled-connection-s", type=float, default=60.0, help="a client that reads nothing this long is dropped"
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> None:
         drain_timeout_s=args.drain_timeout_s,
         header_timeout_s=args.header_timeout_s,
         max_connections_per_client=args.max_connections_per_client,
+        shed_load=args.shed_load,
     )
     # every connection is a file: the soft limit up to the hard one, the cap below it
     files_before, files = raise_file_limit()
@@ -213,7 +220,8 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
     runner = load_runner(settings_model)
     # a target in time, the auto budget, dynamic chunking and the drafts' cost rule deserve a fitted
     # model, measured now if none is saved
-    measure = auto_budget or bool(args.dynamic_chunking) or bool(config.tbt_slo_ms) or config.speculate != "off"
+    targets = bool(config.tbt_slo_ms or config.ttft_slo_ms)
+    measure = auto_budget or bool(args.dynamic_chunking) or targets or config.speculate != "off"
     prof, source = startup_profile(runner, args.profile, measure)
     engine = engine_over(runner, config, prof)
     facts = runner_facts(runner) | {

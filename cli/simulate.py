@@ -51,6 +51,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--profile", type=Path, help="cost model from `stallfree profile` (this machine's real model)")
     s.add_argument("--iterations", action="store_true", help="also print every iteration")
     s.add_argument(
+        "--shed-load",
+        action="store_true",
+        help="with --ttft-slo-ms: refuse at arrival what the queue alone makes late, as the server's --shed-load",
+    )
+    s.add_argument(
         "--draft-acceptance",
         type=float,
         help="with --speculate: every decode proposes drafts and the simulated model keeps each with this "
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     config = scheduler_config(args, defaults)
     cache = CacheConfig(args.kv_blocks, args.block_size, not args.no_prefix_caching)
     cost = Profile.load(args.profile).cost_model if args.profile else cost_model(args)
-    result = simulate(arrivals, config, cache, cost, args.draft_acceptance)
+    result = simulate(arrivals, config, cache, cost, args.draft_acceptance, args.shed_load)
     for warning in result.engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     rep = report(result)

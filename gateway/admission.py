@@ -9,16 +9,22 @@ tokenizing in a worker thread (``tokenizer_threads`` at a time: the event
 loop and the step thread keep their cores), then the prompt's tokens
 reserved in the bucket (concurrent prompts cannot overdraw it). ``/tokenize``
 and ``/detokenize`` take the same waiting room and threads.
+
+Under a TTFT target, ``predict`` then reads the engine's latest queue
+forecast (``core.sched.deadline``) plus the prompts sent since it was taken:
+a prompt that only the queue ahead makes late is refused with
+``shed_load`` (the caller's 429), else admitted best-effort and told so.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
 
+from core.sched.deadline import Forecast, Verdict, verdict
 from gateway.protocol import ProtocolError
 from gateway.ratelimit import TokenRateLimit
 from gateway.settings import GatewaySettings
@@ -35,6 +41,23 @@ class Admission:
         self._tokenizing = 0  # admitted, still being tokenized
         self._waiting: Counter[str] = Counter()  # per tenant: tokenizing or unstarted
         self._threads = anyio.CapacityLimiter(settings.tokenizer_threads)
+        self._num_sent = 0  # requests handed to the engine
+        # (its number, prompt tokens) not yet in a forecast: at most the waiting room's
+        self._unseen: deque[tuple[int, int]] = deque(maxlen=settings.max_waiting)
+
+    def sent(self, prompt_tokens: int) -> None:
+        """A request handed to the engine: ahead of later ones until a forecast counts it."""
+        self._num_sent += 1
+        self._unseen.append((self._num_sent, prompt_tokens))
+
+    def predict(self, forecast: Forecast | None, prompt_tokens: int, target_ms: float) -> Verdict | None:
+        """When a prompt sent now is predicted its first token (None: no TTFT
+        target, or no forecast yet: the engine has not run a prompt with one)."""
+        while self._unseen and forecast is not None and self._unseen[0][0] <= forecast.seen:
+            self._unseen.popleft()
+        if not target_ms or forecast is None:
+            return None
+        return verdict(forecast, prompt_tokens, target_ms, sum(tokens for _, tokens in self._unseen))
 
     def check_rate(self, tenant: str) -> None:
         """Refuse a key whose bucket is empty, before any work."""

@@ -67,7 +67,8 @@ def config_view(client: EngineClient) -> dict[str, Any]:
             "free_blocks": s.counts.kv_free_blocks,
             "cached_blocks": s.counts.kv_cached_blocks,
         },
-        "live_settings": list(LIVE_SETTINGS),
+        "shed_load": client.settings.shed_load,
+        "live_settings": [*LIVE_SETTINGS, "shed_load"],
         "model": client.settings.model_name,
         "auth_required": bool(client.settings.api_keys),
     }
@@ -82,7 +83,12 @@ async def api_config(request: Request) -> Response:
         if request.method in ("GET", "HEAD"):
             return JSONResponse(config_view(client))
         changes = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
-        warnings = await asyncio.wrap_future(client.backend.reconfigure(changes))
+        shed_load = changes.pop("shed_load", None)  # the gateway's own live setting
+        if shed_load is not None and not isinstance(shed_load, bool):
+            raise ProtocolError("invalid_request", "shed_load must be true or false", param="shed_load")
+        warnings = await asyncio.wrap_future(client.backend.reconfigure(changes)) if changes else []
+        if shed_load is not None:
+            client.settings.shed_load = shed_load
         return JSONResponse({**config_view(client), "warnings": warnings})
     except EngineStopped as exc:
         return error_response("unavailable", f"the engine stopped: {exc}")

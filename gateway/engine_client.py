@@ -23,6 +23,7 @@ import structlog
 from core import faults
 from core.cluster.stats import ReplicaStats
 from core.model.tokenizer import Tokenizer
+from core.sched.deadline import Verdict
 from core.sched.engine import EngineSnapshot, RequestOutput, RequestRejected, StepOutput
 from core.sched.request import FinishReason, Request
 from gateway.admission import Admission
@@ -147,6 +148,7 @@ class EngineClient:
         self.admission.check_rate(req.tenant)
         ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, req), req.tenant)
         self.admission.reserve(req.tenant, len(ids))
+        verdict = self._forecast(req, len(ids))
         sampling = req.sampling
         limit = self.snapshot.config.max_model_len
         if not req.max_tokens_given:
@@ -160,8 +162,10 @@ class EngineClient:
             request = Request(choice_id, ids, choice_sampling, arrival_ns, req.priority, req.tenant)
             request.cache_salt = "" if self.settings.share_prefix_cache else req.tenant  # each key hits its own blocks
             request.prefill_after = request_id if i else None
+            request.ttft_slo_ms = req.ttft_slo_ms
             try:
-                streams.append(self._queue(request, req))
+                streams.append(self._queue(request, req, len(ids) if i == 0 else 0))
+                streams[-1].verdict = verdict
             except ProtocolError:  # the choices already queued have nobody to read them
                 for stream in streams:
                     self.cancel(stream.request_id)
@@ -170,7 +174,28 @@ class EngineClient:
                 raise
         return streams, len(ids)
 
-    def _queue(self, request: Request, req: GenerateRequest) -> RequestStream:
+    def _forecast(self, req: GenerateRequest, prompt_tokens: int) -> Verdict | None:
+        """Admission's prediction of the first token under a TTFT target; with
+        ``shed_load``, a prompt only the queue makes late is refused here, before
+        it costs any KV or prefill (429, Retry-After from the forecast)."""
+        snapshot = self.snapshot
+        target = req.ttft_slo_ms if req.ttft_slo_ms is not None else snapshot.config.ttft_slo_ms
+        verdict = self.admission.predict(snapshot.counts.forecast, prompt_tokens, target)
+        if verdict is None:
+            return None
+        shed = verdict.refusable and self.settings.shed_load
+        self.metrics.on_admission("on_time" if verdict.on_time else "shed" if shed else "late")
+        if shed:
+            self.admission.charge(req.tenant, -prompt_tokens)  # nothing ran: the prompt's tokens go back
+            why = (
+                f"predicted time to first token {verdict.predicted_s * 1e3:.0f} ms exceeds the TTFT target "
+                f"{target:g} ms; retry in {verdict.retry_after_s} s"
+            )
+            raise ProtocolError("overloaded", why, None, verdict.retry_after_s)
+        return verdict
+
+    def _queue(self, request: Request, req: GenerateRequest, new_prompt_tokens: int) -> RequestStream:
+        """Hand request to the engine; ``new_prompt_tokens``: what it adds to the queue's prefill."""
         request_id = request.request_id
         try:
             future = self.backend.submit(request)
@@ -178,6 +203,7 @@ class EngineClient:
             raise ProtocolError(exc.code, str(exc)) from None
         except ValueError as exc:
             raise ProtocolError("invalid_request", str(exc)) from None
+        self.admission.sent(new_prompt_tokens)
         stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
         self._streams[request_id] = stream
         self.admission.queued(request_id, request.tenant)

@@ -21,6 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from core.sched.deadline import Verdict
 from gateway.auth import request_key, tenant_of
 from gateway.engine_client import EngineClient
 from gateway.generation import Piece, PieceMaker, ready_pieces
@@ -211,7 +212,7 @@ async def _respond(
             finally:
                 cancel_all()  # finished choices are no-ops; a client gone mid-stream frees them all
 
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **admission_headers(streams[0].verdict)}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     parts: list[list[str]] = [[] for _ in streams]
@@ -244,4 +245,15 @@ async def _respond(
     if any(c is None for c in choices):  # the client went away
         return Response(status_code=499)
     whole = shapes[0].whole("", "stop")
-    return JSONResponse({**whole, "choices": choices, "usage": usage()})
+    return JSONResponse({**whole, "choices": choices, "usage": usage()}, headers=admission_headers(streams[0].verdict))
+
+
+def admission_headers(verdict: Verdict | None) -> dict[str, str]:
+    """What admission predicted under a TTFT target: the first token's time
+    after arrival, and, when that misses the target, that it comes best-effort."""
+    if verdict is None:
+        return {}
+    headers = {"x-stallfree-predicted-ttft-ms": f"{verdict.predicted_s * 1e3:.0f}"}
+    if not verdict.on_time:
+        headers["x-stallfree-best-effort"] = "1"
+    return headers

@@ -66,6 +66,7 @@ COMMON: dict[str, str | NoOp] = {
     "repetition_penalty": IMPLEMENTED,
     "ignore_eos": IMPLEMENTED,
     "priority": IMPLEMENTED,
+    "ttft_slo_ms": IMPLEMENTED,  # its own TTFT target in ms (0: none), instead of the server's
     "traceparent": IMPLEMENTED,
     "speculate": IMPLEMENTED,  # false: no draft tokens for this request when the server speculates
 }

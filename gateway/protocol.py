@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import orjson
 
+from core.sched.config import RANGES
 from core.sched.request import MAX_LOGPROBS, SamplingParams
 from gateway.structured import grammar_of
 from gateway.tools import Tools
@@ -68,6 +69,7 @@ class GenerateRequest:
     traceparent: str | None = None
     tenant: str = ""  # the API key's id (gateway.auth.tenant_of); "" without keys
     tools: Tools | None = None  # chat: functions the model may (or must) call
+    ttft_slo_ms: float | None = None  # its own TTFT target (0: none); None: the server's
 
 
 def integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
@@ -218,7 +220,11 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         speculate=boolean(body, "speculate", True),
     )
     priority = integer(body, "priority", 0, -(2**31), 2**31 - 1) or 0
-    return GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
+    req = GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
+    if body.get("ttft_slo_ms") is not None:  # the server's limits on the setting bound the field
+        _, low, high = RANGES["ttft_slo_ms"]
+        req.ttft_slo_ms = _float(body, "ttft_slo_ms", 0.0, low, high)
+    return req
 
 
 def _grammar(response_format: Any) -> str | None:

@@ -14,6 +14,10 @@ class GatewaySettings:
     tokenizer_threads: int = 1  # chat templates and tokenization running at once (the rest wait, counted as waiting)
     key_token_rate: float = 0.0  # tokens/s each API key may use (prompt + generated); 0: no limit
     key_token_burst_s: float = 10.0  # a key's bucket holds this many seconds of its rate
+    # a request the queue forecast says cannot meet its TTFT target (only because of the
+    # queue ahead) is refused at once (429 overloaded, Retry-After from the forecast) instead
+    # of being admitted best-effort; changeable live (PUT /api/config {"shed_load": ...})
+    shed_load: bool = False
     # input size limits
     max_frame_bytes: int = 1 << 20  # WebSocket text frame
     max_body_bytes: int = 1 << 20  # HTTP request body

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.sched.batch import Logprobs
+from core.sched.deadline import Verdict
 from core.sched.request import FinishReason, Request
 
 
@@ -36,6 +37,7 @@ class Delta:
 class RequestStream:
     def __init__(self, request_id: str, capacity: int, slow_consumer_s: float) -> None:
         self.request_id = request_id
+        self.verdict: Verdict | None = None  # admission's prediction of its first token, under a TTFT target
         # up to ``capacity`` deltas, then one more that coalesces the overflow (the pending one)
         self._deltas: deque[Delta] = deque()
         self._capacity = capacity

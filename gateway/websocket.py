@@ -189,7 +189,11 @@ class Connection:
         )
         if gen.cancelled:  # cancelled (or disconnected) while tokenizing
             self.client.cancel(request_id)
-        await self.send({"type": "accepted", "id": gen_id, "prompt_tokens": gen.prompt_tokens})
+        accepted: dict[str, Any] = {"type": "accepted", "id": gen_id, "prompt_tokens": gen.prompt_tokens}
+        if stream.verdict is not None:  # admission's prediction under a TTFT target
+            accepted["predicted_ttft_ms"] = round(stream.verdict.predicted_s * 1e3)
+            accepted["best_effort"] = not stream.verdict.on_time
+        await self.send(accepted)
         stream.on_put = lambda: self._notify(gen_id)
         self._notify(gen_id)  # anything that arrived before the accepted frame went out
 

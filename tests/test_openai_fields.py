@@ -41,6 +41,7 @@ GOOD = {
     "priority": 1,
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     "speculate": False,
+    "ttft_slo_ms": 2000,
     "messages": [{"role": "user", "content": "Hi"}],
     "prompt": "Hi",
 }

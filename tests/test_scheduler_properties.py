@@ -75,6 +75,7 @@ config = st.fixed_dictionaries(
         "max_defer_s": st.sampled_from([0.05, 0.2, 30.0]),
         "decode_reserve_tokens": st.sampled_from([0, 0, 4, 16]),
         "tbt_slo_ms": st.sampled_from([0.0, 0.0, 5.0, 8.0, 15.0, 30.0]),
+        "ttft_slo_ms": st.sampled_from([0.0, 0.0, 20.0, 100.0, 1000.0]),
         "speculate": st.sampled_from(["off", "ngram"]),
         "draft_tokens": st.integers(1, 6),
     }
@@ -149,6 +150,7 @@ def invariants(e, schedule):
         ]
         for r in decoding:  # no block beyond its KV: a rejected draft's block went back
             assert len(r.block_ids) == e.kv.blocks_for(r.num_computed_tokens), r.request_id
+        deadline = now_ns - int(cfg.max_defer_s * 1e9)
         batch = schedule(now_ns)
         if batch.draft_tokens:
             event("drafts verified")
@@ -156,8 +158,16 @@ def invariants(e, schedule):
             assert all(
                 i.samples and not i.is_prefill and i.num_tokens == 1 + len(i.drafts) for i in batch.items if i.drafts
             )
-        if cfg.chunking == "stall_free" and long_partial and batch.decode_tokens < cfg.token_budget:
-            assert any(i.request is long_partial[0] for i in batch.items), "a long prefill starved"
+        overdue_partial = [
+            r for r in cfg_holder.running if r.status == RequestStatus.PREFILLING and r.arrival_ns < deadline
+        ]
+        if cfg.chunking == "stall_free" and batch.decode_tokens < cfg.token_budget:
+            if not cfg.ttft_slo_ms and long_partial:
+                assert any(i.request is long_partial[0] for i in batch.items), "a long prefill starved"
+            if cfg.ttft_slo_ms and overdue_partial:  # deadlines order prefill; the ceiling still bounds it
+                assert any(i.is_prefill and i.request.arrival_ns < deadline for i in batch.items), (
+                    "an overdue prefill starved"
+                )
         served = [i.request for i in batch.items if not i.is_prefill]
         for victim in batch.preempted:
             assert all(victim.priority >= r.priority for r in served), "preempted ahead of lower priority"
@@ -174,7 +184,6 @@ def invariants(e, schedule):
         finishing = {i.request for i in batch.items if i.is_prefill and i.samples}
         still_partial = [r for r in cfg_holder.running if r.status == RequestStatus.PREFILLING and r not in finishing]
         assert len(still_partial) <= cfg.max_partial_prefills
-        deadline = now_ns - int(cfg.max_defer_s * 1e9)
         if any(r.arrival_ns < deadline for r in cfg_holder.waiting):
             for item in batch.items:
                 r = item.request

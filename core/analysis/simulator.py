@@ -9,6 +9,11 @@ stallfree's own JSONL with one request per line)::
 
 Requests sharing a prefix (a named one, or Mooncake's equal hash ids) share
 those tokens, so prefix caching is replayed too.
+
+With a TTFT target and ``shed_load``, each arrival first meets the server's
+admission rule (``core.sched.deadline.verdict`` over the queue's forecast at
+that moment): what the queue alone makes late is refused, as the gateway's
+429 would. ``report`` judges every request against the targets (goodput).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, r
 from core.sched.batch import IterationRecord
 from core.sched.config import CacheConfig, SchedulerConfig, Speculate
 from core.sched.cost import IterationCost
+from core.sched.deadline import verdict
 from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
-from core.sched.timings import request_timings, summarize
+from core.sched.request import FinishReason, Request, SamplingParams
+from core.sched.timings import judge, request_timings, summarize
 
 VOCAB = 32000
 
@@ -114,6 +120,7 @@ class SimResult:
     requests: dict[str, Request]
     iterations: list[IterationRecord]
     engine: Engine
+    shed: list[str] = dataclasses.field(default_factory=list)  # refused at arrival (``shed_load``)
 
 
 def simulate(
@@ -122,9 +129,11 @@ def simulate(
     cache: CacheConfig,
     cost: IterationCost,
     acceptance: float | None = None,
+    shed_load: bool = False,
 ) -> SimResult:
     """``acceptance``: with ``speculate`` on, every decode proposes drafts and
-    the simulated model keeps each with this probability (``SimDrafter``)."""
+    the simulated model keeps each with this probability (``SimDrafter``).
+    ``shed_load``: refuse what the gateway's admission would (a TTFT target needed)."""
     clock = VirtualClock()
     drafter = None
     if scheduler.speculate != Speculate.OFF:
@@ -135,6 +144,7 @@ def simulate(
     engine = Engine(scheduler, cache, runner, clock, cost, drafter)
     pending = sorted(arrivals, key=lambda a: a.at_s)
     requests: dict[str, Request] = {}
+    shed: list[str] = []
     iterations = []
     i = 0
     while i < len(pending) or engine.has_work:
@@ -144,9 +154,15 @@ def simulate(
             a = pending[i]
             sampling = SamplingParams(max_tokens=a.max_tokens)
             req = Request(a.request_id, a.prompt, sampling, int(a.at_s * 1e9), a.priority, a.tenant)
+            i += 1
+            forecast = engine.scheduler.forecast(clock.now_ns)
+            if shed_load and forecast is not None:
+                found = verdict(forecast, len(a.prompt), engine.config.ttft_slo_ms)
+                if found.refusable:
+                    shed.append(a.request_id)
+                    continue
             engine.add_request(req)
             requests[a.request_id] = req
-            i += 1
         out = engine.step()
         if out is not None and out.iteration is not None:
             iterations.append(out.iteration)
@@ -154,13 +170,18 @@ def simulate(
             if i == len(pending):
                 raise RuntimeError("simulation stalled: requests remain but none can be scheduled")
             clock.now_ns = int(pending[i].at_s * 1e9)
-    return SimResult(requests, iterations, engine)
+    return SimResult(requests, iterations, engine, shed)
 
 
 def report(result: SimResult) -> dict[str, Any]:
     """Per request timings, summary percentiles over every gap, and the iterations."""
     reqs: dict[str, dict[str, Any]] = {}
+    good = 0
     for rid, req in result.requests.items():
+        timings = request_timings(req.timeline)
+        completed = req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        goodness = judge(timings, req.ttft_slo_ms or 0.0, req.tbt_slo_ms, completed)
+        good += goodness.good
         reqs[rid] = {
             "arrival_ms": req.arrival_ns / 1e6,
             "prompt_tokens": req.num_prompt_tokens,
@@ -169,7 +190,8 @@ def report(result: SimResult) -> dict[str, Any]:
             "finish_reason": req.finish_reason,
             "chunks": len(req.timeline.chunks),
             "preemptions": req.num_preemptions,
-            **request_timings(req.timeline).as_dict(),
+            "good": goodness.good,
+            **timings.as_dict(),
         }
     its = result.iterations
     start = min((r.arrival_ns for r in result.requests.values()), default=0)
@@ -178,7 +200,9 @@ def report(result: SimResult) -> dict[str, Any]:
     return {
         "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
         "summary": {
-            "requests": len(reqs),
+            "requests": len(reqs) + len(result.shed),
+            "shed_requests": len(result.shed),
+            "good_requests": good,
             "iterations": len(its),
             **summarize(result.requests.values(), start, end),
             "preemptions": result.engine.scheduler.num_preemptions,
@@ -224,6 +248,14 @@ def format_report(rep: dict[str, Any], max_rows: int = 12, show_iterations: bool
         f"TTFT p50 {s['ttft_p50_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms | ITL p50 {s['itl_p50_ms']:.2f} ms, "
         f"p99 {s['itl_p99_ms']:.2f} ms, max gap {s['max_gap_ms']:.1f} ms | "
         f"{s['throughput_tokens_per_s']:,.0f} tokens/s, {s['preemptions']} preemptions",
+        *(
+            [
+                f"goodput: {s['good_requests']} of {s['requests']} requests met both targets "
+                f"(TTFT {c['ttft_slo_ms']:g} ms, TBT {c['tbt_slo_ms']:g} ms), {s['shed_requests']} refused"
+            ]
+            if c["ttft_slo_ms"] or c["tbt_slo_ms"]
+            else []
+        ),
         *(
             [
                 f"speculation: {s['draft_tokens']:,} draft tokens verified, {s['acceptance']:.0%} kept, "

@@ -52,6 +52,7 @@ LIVE_SETTINGS = (
     "max_defer_s",
     "long_prefill_tokens",
     "tbt_slo_ms",
+    "ttft_slo_ms",
     "speculate",
     "draft_tokens",
     "ngram_min",
@@ -72,6 +73,7 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
     "decode_reserve_tokens": (int, 0, 1 << 20),
     "long_prefill_tokens": (int, 0, 1 << 24),
     "tbt_slo_ms": (float, 0.0, 600_000.0),
+    "ttft_slo_ms": (float, 0.0, 600_000.0),
     "speculate": (str, SPECULATE_MODES, None),
     "draft_tokens": (int, 1, 16),
     "ngram_min": (int, 1, 16),
@@ -96,6 +98,14 @@ class SchedulerConfig:
     time (the cost model: the decodes with their contexts, each chunk with its
     prefix) stays within it, down to ``prefill_floor`` tokens; with no decode
     it takes the whole ``token_budget``. 0: off (tokens only).
+
+    ttft_slo_ms: a time target for a request's first token (a request may
+    bring its own). Waiting and partly prefilled prompts are ordered by their
+    deadlines and slack (``core.sched.deadline``): within each policy's
+    classes (priority, tenant) a prompt whose slack says it can no longer meet
+    its target goes after those that still can, and among those the nearest
+    deadline goes first; the starvation ceiling still puts any prompt waiting
+    past ``max_defer_s`` first. 0: off (arrival order).
 
     speculate: ``ngram`` verifies up to ``draft_tokens`` draft tokens per
     decode (prompt lookup, ``ngram_min``..``ngram_max`` tokens matched) in the
@@ -122,6 +132,7 @@ class SchedulerConfig:
     # TBT target the tokens that fit it); at least the context length: off.
     long_prefill_tokens: int = 0
     tbt_slo_ms: float = 0.0
+    ttft_slo_ms: float = 0.0
     speculate: Speculate = Speculate.OFF
     draft_tokens: int = 4
     ngram_min: int = 2

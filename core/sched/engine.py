@@ -18,6 +18,7 @@ from core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
 from core.sched.block_manager import BlockManager
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
+from core.sched.deadline import Forecast
 from core.sched.drafts import Drafter
 from core.sched.request import FinishReason, Request, SamplingParams
 from core.sched.runner import Runner
@@ -56,6 +57,7 @@ class Counts:
     kv_used_blocks: int
     kv_free_blocks: int
     kv_cached_blocks: int
+    forecast: Forecast | None = None  # the queue as admission reads it (None: no pace known yet)
 
 
 @dataclass(slots=True, frozen=True)
@@ -269,6 +271,7 @@ class Engine:
             kv.num_used_blocks,
             kv.num_free_blocks,
             kv.num_cached_blocks,
+            s.forecast(self.clock()),
         )
 
     def _record(self, batch: Batch, start_ns: int, end_ns: int, emitted: list[NewToken]) -> IterationRecord:
@@ -304,5 +307,6 @@ class Engine:
 
 
 def _check_cost(config: SchedulerConfig, cost: IterationCost | None) -> None:
-    if config.tbt_slo_ms and cost is None:
-        raise ValueError("tbt_slo_ms needs a cost model (this engine was built without one)")
+    for name in ("tbt_slo_ms", "ttft_slo_ms"):
+        if getattr(config, name) and cost is None:
+            raise ValueError(f"{name} needs a cost model (this engine was built without one)")

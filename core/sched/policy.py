@@ -8,13 +8,22 @@ than ``max_defer_s`` goes ahead of everything else (oldest first), so
 fewest tokens so far goes first, a virtual token counter as in the VTC paper
 (Sheng et al., OSDI '24), so one key flooding long prompts cannot take
 everybody else's time to first token.
+
+With TTFT targets (``slack`` given: ``core.sched.deadline``), the deadline
+replaces arrival time as the order within each policy's classes: ``fcfs``
+becomes earliest deadline first, ``priority`` and ``fair`` order by deadline
+within a priority or a tenant's turn, ``sjf`` and ``lpm`` break ties by it;
+and in each, a prompt whose slack says it can no longer meet its target goes
+after those that can (``deadline_order``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 from core.sched.config import Policy
+from core.sched.deadline import deadline_ns
 from core.sched.request import Request
 
 # Past this queue length lpm falls back to fcfs, as SGLang does: matching
@@ -30,18 +39,36 @@ def order_waiting(
     max_defer_s: float,
     cached_prefix_tokens: Callable[[Request], int],
     served: Mapping[str, int],
+    slack: Callable[[Request], float] | None = None,
 ) -> list[Request]:
     deadline = now_ns - int(max_defer_s * 1e9)
     overdue = sorted((r for r in waiting if r.arrival_ns < deadline), key=lambda r: r.arrival_ns)
     rest = [r for r in waiting if r.arrival_ns >= deadline]
+
+    def then(r: Request) -> tuple[float, ...]:
+        return deadline_order(r, slack) if slack is not None else (r.arrival_ns,)
+
     if policy == Policy.SJF:
-        rest.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_ns))
+        rest.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens, *then(r)))
     elif policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE:
-        rest.sort(key=lambda r: (-cached_prefix_tokens(r), r.arrival_ns))
+        rest.sort(key=lambda r: (-cached_prefix_tokens(r), *then(r)))
     elif policy == Policy.PRIORITY:
-        rest.sort(key=lambda r: (r.priority, r.arrival_ns))
+        rest.sort(key=lambda r: (r.priority, *then(r)))
     elif policy == Policy.FAIR:
-        rest.sort(key=lambda r: (served.get(r.tenant, 0), r.arrival_ns))
+        rest.sort(key=lambda r: (served.get(r.tenant, 0), *then(r)))
     else:
-        rest.sort(key=lambda r: r.arrival_ns)
+        rest.sort(key=then)
     return overdue + rest
+
+
+def deadline_order(r: Request, slack: Callable[[Request], float]) -> tuple[float, ...]:
+    """The TTFT targets' order: prompts that can still meet theirs (slack >= 0)
+    first, earliest deadline first (no target: after those with one, oldest
+    first); then those that cannot, oldest first, so that they do not make
+    everybody miss. Not least slack first: two prompts with equal deadlines
+    would take turns chunk by chunk (each chunk raises the slack of the one that
+    got it), delaying both first tokens; the deadline keeps one at a time."""
+    if slack(r) < 0:
+        return (1, 0.0, r.arrival_ns)
+    due = deadline_ns(r)
+    return (0, due if due is not None else math.inf, r.arrival_ns)

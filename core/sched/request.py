@@ -143,6 +143,9 @@ class Request:
     # prompt is computed, onto its blocks (BlockManager.share), not computing it again
     prefill_after: str | None = None
     handoff: KvHandoff | None = None  # disaggregated prefill (core.sched.handoff)
+    # its TTFT target (ms; 0: none); None: the server's, set when the scheduler takes it
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float = 0.0  # the server's TBT target when the scheduler took it (its goodness is judged by it)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None  # set when status becomes FINISHED

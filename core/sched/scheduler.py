@@ -44,6 +44,8 @@ Pure Python: it decides, the runner computes.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,9 +55,10 @@ from core.sched.batch import Batch, Item, NewToken, Sampled
 from core.sched.block_manager import Admitted, BlockManager
 from core.sched.config import Chunking, SchedulerConfig, Speculate
 from core.sched.cost import IterationCost
+from core.sched.deadline import Forecast, Pace, slack_s
 from core.sched.drafts import Drafter, NgramDrafter, expected_accepted
 from core.sched.handoff import KvImport
-from core.sched.policy import order_waiting
+from core.sched.policy import deadline_order, order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from core.sched.timings import weighted_percentile
 
@@ -116,6 +119,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_added = 0  # requests ever given (the gateway counts those it sent since a forecast)
+        self.pace: Pace | None = None  # the prefill pace of the latest iteration with deadlines to keep
         # tokens computed per tenant (the fair policy's virtual token counter)
         self.served: dict[str, int] = {}
         self._active: Counter[str] = Counter()  # tenant -> its requests in the engine
@@ -126,6 +131,7 @@ class Scheduler:
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.num_added += 1
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.imported_tokens and req.imported_tokens != req.num_tokens - 1:
@@ -136,6 +142,9 @@ class Scheduler:
             floor = min((self.served.get(t, 0) for t in self._active), default=0)
             self.served[req.tenant] = max(self.served.get(req.tenant, 0), floor)
         self._active[req.tenant] += 1
+        if req.ttft_slo_ms is None:
+            req.ttft_slo_ms = self.config.ttft_slo_ms
+        req.tbt_slo_ms = self.config.tbt_slo_ms
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -208,7 +217,7 @@ class Scheduler:
         if mode == Chunking.NONE:
             # frozen batch: whole prompts in an iteration of their own, with
             # vLLM V0's rule that the batch cap is at least the context length
-            left = self._prefill_running(batch, max(budget, self.config.max_model_len), whole=True)
+            left = self._prefill_running(batch, max(budget, self.config.max_model_len), now_ns, whole=True)
             self._admit(batch, left, whole=True, ordered=self._ordered(now_ns))
             if not batch.items:
                 self._draft(batch, self._decode(batch, budget))
@@ -223,12 +232,17 @@ class Scheduler:
             batch.target_s = self._target.target_s
             if self.cost.iteration_s(*batch.shape()) > batch.target_s:
                 batch.over_target = "decodes"
+        if self.cost is not None and self._keeps_deadlines():
+            tokens = self._iteration_tokens(batch, left) if self._target is not None else max(1, left)
+            self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
         try:
-            if mode == Chunking.STALL_FREE:
+            if mode == Chunking.STALL_FREE and self._keeps_deadlines():
+                left = self._prefill_by_deadline(batch, left, now_ns)
+            elif mode == Chunking.STALL_FREE:
                 left = self._prefill(batch, left, now_ns)
             else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
                 self._time_share(batch, 1.0, self.config.prefill_floor)
-                left = self._prefill_running(batch, left, whole=False)
+                left = self._prefill_running(batch, left, now_ns, whole=False)
                 if not any(r.status == RequestStatus.DECODING for r in self.running):
                     left = self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
             self._draft(batch, left)
@@ -259,16 +273,64 @@ class Scheduler:
         kept = min(left, max(1, left // 4)) if waits_long else 0
         long_floor = max(1, floor // 4) if waits_long else 0
         self._time_share(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor)
-        short_left = self._prefill_running(batch, left - kept, whole=False, which=short)
+        short_left = self._prefill_running(batch, left - kept, now_ns, whole=False, which=short)
         if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
             self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
-            left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
+            left = self._prefill_running(batch, kept + short_left, now_ns, whole=False, which=long)
             return self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
         ordered = self._ordered(now_ns)
         short_left = self._admit(batch, short_left, whole=False, ordered=[r for r in ordered if short(r)])
         self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
-        left = self._prefill_running(batch, kept + short_left, whole=False, which=long)
+        left = self._prefill_running(batch, kept + short_left, now_ns, whole=False, which=long)
         return self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
+
+    def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int) -> int:
+        """Passes 2 and 3 under TTFT targets: the TBT target still sizes the
+        prefill share, the targets decide who gets it. Partial prefills and
+        waiting prompts are taken in one order, the nearest deadline first among
+        those whose slack says they can still make it (``_by_deadline``), instead
+        of short ones first: a short prompt goes ahead of a long one exactly
+        when its deadline is the nearer. Once a waiting prompt cannot be
+        admitted (KV room, the partial-prefill limit), no later one is."""
+        self._time_share(batch, 1.0, self.config.prefill_floor)
+        admitting = True
+        order = self._by_deadline(now_ns)
+        runs = [(p, list(g)) for p, g in itertools.groupby(order, key=lambda r: r.status == RequestStatus.PREFILLING)]
+        for partial, run in runs:
+            if left == 0:
+                break
+            if partial:
+                chosen = set(run)
+                left = self._prefill_running(batch, left, now_ns, whole=False, which=chosen.__contains__)
+            elif admitting:
+                left = self._admit(batch, left, whole=False, ordered=run)
+                admitting = run[-1].status != RequestStatus.WAITING
+        return left
+
+    def _by_deadline(self, now_ns: int) -> list[Request]:
+        """Partial prefills and waiting prompts merged into one order, each list
+        keeping its own (the waiting one's policy classes first): at each step
+        the head first in ``deadline_order``, except that whatever has waited
+        past the starvation ceiling (``max_defer_s``), partial or waiting, goes
+        before everything else, oldest first."""
+        slack = self._slack(now_ns)
+        assert slack is not None
+        overdue_before = now_ns - self.config.max_defer_s * 1e9
+
+        def key(r: Request) -> tuple[float, ...]:
+            return (-1, r.arrival_ns) if r.arrival_ns < overdue_before else deadline_order(r, slack)
+
+        partials, waiting = sorted(self._partials(now_ns), key=key), self._ordered(now_ns)
+        merged: list[Request] = []
+        i = j = 0
+        while i < len(partials) or j < len(waiting):
+            if j < len(waiting) and (i == len(partials) or key(waiting[j]) < key(partials[i])):
+                merged.append(waiting[j])
+                j += 1
+            else:
+                merged.append(partials[i])
+                i += 1
+        return merged
 
     def _iteration_tokens(self, batch: Batch, left: int) -> int:
         """What one iteration can take of a prompt, the measure of a long one: the
@@ -369,12 +431,14 @@ class Scheduler:
             batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
             batch.items += speculating.values()
 
-    def _prefill_running(self, batch: Batch, left: int, whole: bool, which: Callable[[Request], bool] = bool) -> int:
+    def _prefill_running(
+        self, batch: Batch, left: int, now_ns: int, whole: bool, which: Callable[[Request], bool] = bool
+    ) -> int:
         """Pass 2: the next chunk of each partially prefilled prompt (of those ``which`` selects)."""
-        for req in self.running:
+        for req in self._partials(now_ns):
             if left == 0:
                 break
-            if req.status != RequestStatus.PREFILLING or not which(req):
+            if not which(req):
                 continue
             n = self._chunk(batch, req, req.num_pending_tokens, left, whole)
             if n == 0:
@@ -386,9 +450,44 @@ class Scheduler:
         return left
 
     def _ordered(self, now_ns: int) -> list[Request]:
-        """The waiting queue in policy order, computed once per iteration."""
+        """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
+        targets), computed once per iteration."""
         c = self.config
-        return order_waiting(self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served)
+        slack = self._slack(now_ns)
+        return order_waiting(
+            self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
+        )
+
+    def _partials(self, now_ns: int) -> list[Request]:
+        """Partly prefilled prompts, oldest first, or in ``deadline_order`` where they have TTFT targets."""
+        partial = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        slack = self._slack(now_ns)
+        if slack is None:
+            return partial
+        return sorted(partial, key=lambda r: deadline_order(r, slack))
+
+    def _keeps_deadlines(self) -> bool:
+        """Has any queued prompt a TTFT target (the server's, or its own)?"""
+        return bool(self.config.ttft_slo_ms) or any(
+            r.ttft_slo_ms for r in self.requests.values() if r.status != RequestStatus.DECODING
+        )
+
+    def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
+        """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
+        if not self._keeps_deadlines():
+            return None
+        pace = self.pace
+        return lambda r: slack_s(r, now_ns, pace)
+
+    def forecast(self, now_ns: int) -> Forecast | None:
+        """What admission reads: the prefill tokens of the queued prompts that
+        can still meet their TTFT targets, at the latest pace (None before one is known)."""
+        pace = self.pace
+        if pace is None:
+            return None
+        queued = [r for r in self.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
+        backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
+        return Forecast(backlog, pace, self.num_added)
 
     def _admit(self, batch: Batch, left: int, whole: bool, ordered: list[Request]) -> int:
         """Pass 3: admit from ``ordered`` (waiting requests in policy order)."""

@@ -86,6 +86,28 @@ def request_timings(timeline: Timeline) -> RequestTimings:
     )
 
 
+@dataclass(slots=True, frozen=True)
+class Goodness:
+    """Did a request meet its targets? Good: it completed and met both (a
+    target of 0 is met by anything)."""
+
+    ttft_met: bool
+    tbt_met: bool
+    completed: bool  # ended by a stop or its length, not cut off, aborted or failed
+
+    @property
+    def good(self) -> bool:
+        return self.completed and self.ttft_met and self.tbt_met
+
+
+def judge(timings: RequestTimings, ttft_slo_ms: float, tbt_slo_ms: float, completed: bool) -> Goodness:
+    """A request against its TTFT target (its first token) and its TBT target
+    (the 99th percentile of its own gaps; its worst gap is reported beside)."""
+    ttft_met = not ttft_slo_ms or 0 < timings.ttft_ms <= ttft_slo_ms  # 0: no first token
+    tbt_met = not tbt_slo_ms or timings.itl_p99_ms <= tbt_slo_ms
+    return Goodness(ttft_met, tbt_met, completed)
+
+
 def summarize(requests: Iterable[Request], start_ns: int, end_ns: int) -> dict[str, float]:
     """A run's latency figures over its requests: every TTFT, scheduling delay
     (queue wait) and gap pooled, throughput over [start_ns, end_ns]."""
