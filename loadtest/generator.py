@@ -6,7 +6,10 @@ are measured the same way) runs it and records the arrival time of every
 token event at the client, and what the server reports of it: its prompt
 length, prefix-cache hit and (this server's WebSocket) its queue wait.
 Servers that report queue waits only in Prometheus histograms (vLLM) are
-read before and after a run (``QueueWaitProbe``).
+read before and after a run (``QueueWaitProbe``). A request the server
+refuses at once (HTTP 429, a WebSocket ``overloaded`` frame: shed load, a
+rate limit) is a refusal, not an error: how long the refusal took and the
+wait it asked for are kept, and goodput counts it as not good.
 
 Trace prompts have exactly the traced token lengths: they are made of words
 that are one token each (``WordPrompts``), and runs the trace marks as
@@ -35,7 +38,7 @@ from websockets.asyncio.client import connect
 
 from core.analysis.traces import TraceRequest, prompt_ids
 from core.model.tokenizer import Tokenizer
-from core.sched.timings import percentile
+from core.sched.timings import Goodness, percentile
 
 WORDS = (
     "the",
@@ -101,6 +104,10 @@ class Result:
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, where it says
     server_timings: dict[str, float] | None = None  # this server's done-frame split
     error: str | None = None
+    refused_s: float | None = None  # refused (429): seconds from sending it to the refusal
+    retry_after_s: float | None = None  # the wait the refusal asked for (Retry-After), where it said
+    predicted_ttft_ms: float | None = None  # admission's forecast of its TTFT, under a TTFT target
+    best_effort: bool = False  # admitted though that forecast missed the target
 
     @property
     def ttft_s(self) -> float | None:
@@ -109,6 +116,21 @@ class Result:
     @property
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self.token_s)]
+
+    @property
+    def refused(self) -> bool:
+        return self.refused_s is not None
+
+    def judge(self, ttft_slo_ms: float | None, tbt_slo_ms: float | None) -> Goodness:
+        """The engine's rule (``core.sched.timings.judge``) on the client's clock:
+        completed (neither refused nor failed), TTFT from sending to the first
+        token within ``ttft_slo_ms``, the 99th percentile of its own gaps within
+        ``tbt_slo_ms``; no target (None or 0) is met by anything that completed."""
+        completed = self.error is None and not self.refused and bool(self.token_s)
+        ttft_met = completed and (not ttft_slo_ms or (self.token_s[0] - self.sent_s) * 1e3 <= ttft_slo_ms)
+        gaps_ms = [g * 1e3 for g in self.gaps_s]
+        tbt_met = completed and (not tbt_slo_ms or percentile(gaps_ms, 99) <= tbt_slo_ms)
+        return Goodness(ttft_met, tbt_met, completed)
 
 
 class PromptMaker:
@@ -233,10 +255,16 @@ class StallfreeTarget:
                         res.token_s.append(now)
                     elif f["type"] == "accepted":
                         res.prompt_tokens = f["prompt_tokens"]
+                        res.predicted_ttft_ms = f.get("predicted_ttft_ms")
+                        res.best_effort = f.get("best_effort", False)
                     elif f["type"] == "done":
                         res.completion_tokens = f["usage"]["completion_tokens"]
                         res.cached_tokens = f["usage"].get("cached_tokens")
                         res.server_timings = f["timings"]
+                        break
+                    elif f["type"] == "error" and f["code"] == "overloaded":
+                        res.refused_s = now - res.sent_s
+                        res.retry_after_s = f.get("retry_after_s")
                         break
                     elif f["type"] == "error":
                         res.error = f["code"]
@@ -282,9 +310,15 @@ class OpenAITarget:
         }
         try:
             async with self.client.stream("POST", "/completions", json=body) as r:
+                if r.status_code == 429:
+                    res.refused_s = time.perf_counter() - t0 - res.sent_s
+                    res.retry_after_s = number(r.headers.get("retry-after"))
+                    return res
                 if r.status_code != 200:
                     res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     return res
+                res.predicted_ttft_ms = number(r.headers.get("x-stallfree-predicted-ttft-ms"))
+                res.best_effort = r.headers.get("x-stallfree-best-effort") == "1"
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -300,6 +334,14 @@ class OpenAITarget:
         except httpx.HTTPError as exc:
             res.error = f"{type(exc).__name__}: {exc}"
         return res
+
+
+def number(header: str | None) -> float | None:
+    """A numeric header's value (Retry-After's seconds, a forecast's ms); None if absent or not a number."""
+    try:
+        return float(header) if header is not None else None
+    except ValueError:
+        return None
 
 
 async def run_jobs(
@@ -389,24 +431,31 @@ class QueueWaitProbe:
 
 
 def summarize(
-    results: list[Result], group: str | None = None, tbt_slo_ms: float | None = None, queue_wait_ms: float | None = None
+    results: list[Result],
+    group: str | None = None,
+    tbt_slo_ms: float | None = None,
+    queue_wait_ms: float | None = None,
+    ttft_slo_ms: float | None = None,
 ) -> dict[str, Any]:
     """TTFT, scheduling delay and every inter-token gap, percentiles and max;
-    throughput over the run; prefix-cache hits where the server says; with a
-    TBT SLO, goodput: the requests per second whose every gap met it.
-    ``queue_wait_ms``: the run's median queue wait read elsewhere (a probe),
-    for servers whose responses do not carry it."""
+    throughput over the run; prefix-cache hits where the server says;
+    refusals (how many, how fast); with a target (TBT, TTFT or both),
+    goodput (``goodput``). ``queue_wait_ms``: the run's median queue wait
+    read elsewhere (a probe), for servers whose responses do not carry it."""
     rs = [r for r in results if group is None or r.job.group == group]
     ok = [r for r in rs if r.error is None and r.token_s]
+    refused = [r for r in rs if r.refused]
     ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
     gaps = [g * 1e3 for r in ok for g in r.gaps_s]
     start = min((r.sent_s for r in rs), default=0.0)
     end = max((r.token_s[-1] for r in ok), default=start)
     tokens = sum(len(r.token_s) for r in ok)
+    failed = [r for r in rs if not r.refused and (r.error is not None or not r.token_s)]
     out: dict[str, Any] = {
         "requests": len(rs),
-        "errors": len(rs) - len(ok),
-        "error_kinds": dict(Counter(r.error or "no tokens" for r in rs if r.error is not None or not r.token_s)),
+        "errors": len(failed),
+        "error_kinds": dict(Counter(r.error or "no tokens" for r in failed)),
+        "refused": len(refused),
         "ttft_p50_ms": percentile(ttft, 50),
         "ttft_p90_ms": percentile(ttft, 90),
         "ttft_p99_ms": percentile(ttft, 99),
@@ -418,6 +467,14 @@ def summarize(
         "output_tokens": tokens,
         "throughput_tokens_per_s": tokens / (end - start) if end > start else 0.0,
     }
+    if refused:
+        refusal_ms = [(r.refused_s or 0.0) * 1e3 for r in refused]
+        out["refusal_p50_ms"] = percentile(refusal_ms, 50)
+        out["refusal_p99_ms"] = percentile(refusal_ms, 99)
+        out["refusal_max_ms"] = max(refusal_ms)
+        waits = [r.retry_after_s for r in refused if r.retry_after_s is not None]
+        if waits:
+            out["retry_after_p50_s"] = percentile(waits, 50)
     split = [r.server_timings for r in ok if r.server_timings]
     if split:
         for k in ("queue_wait_ms", "prefill_ms", "decode_ms"):
@@ -432,12 +489,42 @@ def summarize(
     exact = [r for r in ok if r.job.prompt_tokens is not None]
     if exact:
         out["prompt_length_mismatches"] = sum(r.prompt_tokens != r.job.prompt_tokens for r in exact)
-    if tbt_slo_ms is not None:
-        good = [r for r in ok if max((g * 1e3 for g in r.gaps_s), default=0.0) <= tbt_slo_ms]
-        out["tbt_slo_ms"] = tbt_slo_ms
-        out["good_requests"] = len(good)
-        out["goodput_req_per_s"] = len(good) / (end - start) if end > start else 0.0
-    first_error = next((r.error for r in rs if r.error), None)
+    if tbt_slo_ms is not None or ttft_slo_ms is not None:
+        out |= goodput(rs, ttft_slo_ms, tbt_slo_ms, end - start)
+    first_error = next((r.error for r in failed if r.error), None)
     if first_error:
         out["first_error"] = first_error
+    return out
+
+
+def goodput(rs: list[Result], ttft_slo_ms: float | None, tbt_slo_ms: float | None, span_s: float) -> dict[str, Any]:
+    """Goodput, each request judged by ``Result.judge``: how many were good, their
+    share of every request (refused and failed ones count as not good: what
+    the goodput capacity reads) and of those admitted (what shedding keeps),
+    each target's attainment over every request, and the good ones per second
+    over ``span_s``; best-effort admissions (the server forecast a late first
+    token): how many, how many were good after all; the median of measured
+    over predicted TTFT, where the server predicted it."""
+    judged = [(r, r.judge(ttft_slo_ms, tbt_slo_ms)) for r in rs]
+    good = sum(g.good for _, g in judged)
+    admitted = sum(not r.refused for r in rs)
+    out: dict[str, Any] = {
+        "tbt_slo_ms": tbt_slo_ms,
+        "ttft_slo_ms": ttft_slo_ms,
+        "good_requests": good,
+        "good_share": good / len(rs) if rs else 0.0,
+        "admitted_good_share": good / admitted if admitted else 0.0,
+        "goodput_req_per_s": good / span_s if span_s > 0 else 0.0,
+    }
+    if ttft_slo_ms and rs:
+        out["ttft_attainment"] = sum(g.ttft_met for _, g in judged) / len(rs)
+    if tbt_slo_ms and rs:
+        out["tbt_attainment"] = sum(g.tbt_met for _, g in judged) / len(rs)
+    best_effort = [g for r, g in judged if r.best_effort]
+    if best_effort:
+        out["best_effort_requests"] = len(best_effort)
+        out["best_effort_good"] = sum(g.good for g in best_effort)
+    ratios = [(r.ttft_s or 0.0) * 1e3 / r.predicted_ttft_ms for r, g in judged if g.completed and r.predicted_ttft_ms]
+    if ratios:
+        out["ttft_over_predicted_p50"] = percentile(ratios, 50)
     return out

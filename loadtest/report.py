@@ -87,11 +87,15 @@ def replay_jobs(
 
 
 def run_summary(
-    results: list[Result], kind: str, tbt_slo_ms: float | None = None, queue_wait_ms: float | None = None
+    results: list[Result],
+    kind: str,
+    tbt_slo_ms: float | None = None,
+    queue_wait_ms: float | None = None,
+    ttft_slo_ms: float | None = None,
 ) -> dict[str, Any]:
-    out = {"all": summarize(results, tbt_slo_ms=tbt_slo_ms, queue_wait_ms=queue_wait_ms)}
+    out = {"all": summarize(results, tbt_slo_ms=tbt_slo_ms, queue_wait_ms=queue_wait_ms, ttft_slo_ms=ttft_slo_ms)}
     if kind == "interference":
-        out["decoders"] = summarize(results, "decoder", tbt_slo_ms)
+        out["decoders"] = summarize(results, "decoder", tbt_slo_ms, ttft_slo_ms=ttft_slo_ms)
         out["long"] = summarize(results, "long")
     return out
 
@@ -128,7 +132,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             {
                 "setting": {name: value} if name else {},
                 "config": config,
-                **run_summary(results, kind, args.tbt_slo_ms, queue_wait_ms),
+                **run_summary(results, kind, args.tbt_slo_ms, queue_wait_ms, args.ttft_slo_ms),
                 "streams": [[round(t, 4) for t in r.token_s] for r in results if r.job.group != "long"],
             }
         )
@@ -182,10 +186,19 @@ def _extras(s: dict[str, Any]) -> list[str]:
     elif "queue_wait_p50_ms" in s:
         out.append(f"scheduling delay p50 {s['queue_wait_p50_ms']:.0f} ms (server's histogram)")
     if "goodput_req_per_s" in s:
-        out.append(
-            f"goodput {s['goodput_req_per_s']:.3g} req/s ({s['good_requests']} of {s['requests']} "
-            f"with no gap over {s['tbt_slo_ms']:g} ms)"
+        out.append(f"goodput {s['goodput_req_per_s']:.3g} req/s: {_good(s)}")
+    if s.get("refused"):
+        line = (
+            f"{s['refused']} refused (429) in {s['refusal_p50_ms']:.0f} ms p50, {s['refusal_p99_ms']:.0f} p99, "
+            f"{s['refusal_max_ms']:.0f} max"
         )
+        if "admitted_good_share" in s:
+            line += f"; {s['admitted_good_share']:.1%} of those admitted good"
+        out.append(line)
+    if s.get("best_effort_requests"):
+        out.append(f"{s['best_effort_requests']} admitted best-effort, {s['best_effort_good']} of them good")
+    if "ttft_over_predicted_p50" in s:
+        out.append(f"TTFT / admission's prediction: {s['ttft_over_predicted_p50']:.2f} (median)")
     if "prefix_hit_rate" in s:
         out.append(f"prefix hits {s['prefix_hit_rate']:.1%} of prompt tokens")
     if s.get("prompt_length_mismatches"):
@@ -193,6 +206,17 @@ def _extras(s: dict[str, Any]) -> list[str]:
     if s.get("errors"):
         out.append(f"{s['errors']} errors, first: {s.get('first_error')}")
     return out
+
+
+def _good(s: dict[str, Any]) -> str:
+    """Who was good, by which targets, and each target's attainment."""
+    targets = []
+    if s.get("ttft_slo_ms"):
+        targets.append(f"TTFT <= {s['ttft_slo_ms']:g} ms ({s['ttft_attainment']:.1%} met it)")
+    if s.get("tbt_slo_ms"):
+        targets.append(f"own P99 gap <= {s['tbt_slo_ms']:g} ms ({s['tbt_attainment']:.1%} met it)")
+    met = ", ".join(targets) or "no target"
+    return f"{s['good_requests']} of {s['requests']} good ({s['good_share']:.1%}): completed, {met}"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -229,19 +253,24 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines += [f"Trace `{t['file']}`: {t['replay']}, seed {t['seed']}.", ""]
     lines += [
         "| setting | group | TTFT p50 | p99 | TBT p50 | p99 | max gap | sched. delay p50 | tok/s | goodput req/s | "
-        "prefix hits |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "good | refused | prefix hits |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for setting, group, s in _rows(report):
         delay = f"{s['queue_wait_p50_ms']:.0f}" if "queue_wait_p50_ms" in s else "–"
-        good = f"{s['goodput_req_per_s']:.3g}" if "goodput_req_per_s" in s else "–"
+        good = f"{s['goodput_req_per_s']:.3g} | {s['good_share']:.1%}" if "goodput_req_per_s" in s else "– | –"
         hits = f"{s['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in s else "–"
         lines.append(
             f"| {setting} | {group} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} | {s['itl_p50_ms']:.1f} "
             f"| {s['itl_p99_ms']:.1f} | {s['max_gap_ms']:.0f} | {delay} | {s['throughput_tokens_per_s']:.0f} "
-            f"| {good} | {hits} |"
+            f"| {good} | {s.get('refused', 0)} | {hits} |"
         )
-    lines += ["", "Times in ms. TBT: every inter-token gap of every request, pooled."]
+    lines += [
+        "",
+        "Times in ms. TBT: every inter-token gap of every request, pooled. Good: a request that completed "
+        "within the TTFT target and whose own P99 gap met the TBT target (refused ones are not good); "
+        "good: their share of every request.",
+    ]
     if "slo" in report:
         slo = report["slo"]
         lines.append(f"Largest setting meeting {slo['metric']} <= {slo['tbt_slo_ms']:g} ms: {slo['best']}.")

@@ -10,6 +10,10 @@ Sarathi-Serve's). Every trial of one search must replay the same requests
 (only sooner or later), or meeting the SLO is not monotone in the rate.
 Trials already run (for another SLO on the same configuration) are reused.
 
+Goodput capacity is searched the same way on another criterion
+(``Goodput``): the highest rate at which a share of the requests (90 %)
+were good, each judged against its TTFT and TBT targets, refused ones not.
+
 Used by ``stallfree simulate --capacity`` (the simulator on a trace) and
 ``bench.serving.capacity`` (real servers, side by side).
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from core.sched.cost import IterationCost
 
@@ -35,17 +39,30 @@ class SLO:
         return f"P99 TBT <= {self.tbt_p99_ms:g} ms, P50 scheduling delay <= {self.scheduling_delay_p50_ms:g} ms"
 
 
+@dataclass(slots=True, frozen=True)
+class Goodput:
+    """Goodput's criterion: at least ``share`` of a trial's requests were good."""
+
+    share: float = 0.9
+
+    def describe(self) -> str:
+        return f"at least {self.share:.0%} of the requests good (TTFT and TBT targets met; refused ones not good)"
+
+
 @dataclass(slots=True)
 class Trial:
-    """One run at one arrival rate: the two figures the SLO reads, and the rest measured."""
+    """One run at one arrival rate: the figures the criteria read, and the rest measured."""
 
     rate: float  # requests/s
     tbt_p99_ms: float
     scheduling_delay_p50_ms: float
-    errors: int = 0  # requests that failed: a trial with any cannot pass
+    errors: int = 0  # requests that failed (or were refused): a trial with any cannot meet an SLO
     figures: dict[str, Any] = field(default_factory=dict)
+    good_share: float = 0.0  # good requests over all of them, refused included (what ``Goodput`` reads)
 
-    def meets(self, slo: SLO) -> bool:
+    def meets(self, slo: SLO | Goodput) -> bool:
+        if isinstance(slo, Goodput):  # failed requests are simply not good
+            return self.good_share >= slo.share
         return (
             self.errors == 0
             and self.tbt_p99_ms <= slo.tbt_p99_ms
@@ -53,9 +70,13 @@ class Trial:
         )
 
 
+# what a search reads of each trial: an SLO (capacity) or the good share (goodput capacity)
+Criterion = TypeVar("Criterion", SLO, Goodput)
+
+
 @dataclass(slots=True)
-class Capacity:
-    slo: SLO
+class Capacity(Generic[Criterion]):
+    slo: Criterion
     rate: float  # the highest rate that passed (0: none did)
     trials: list[Trial]  # this search's, in the order they ran (reused ones included)
 
@@ -64,7 +85,7 @@ class Capacity:
         return next((t for t in self.trials if t.rate == self.rate), None)
 
 
-class Search:
+class Search(Generic[Criterion]):
     """One capacity search, a trial at a time: ``next_rate`` says which rate to
     run next (None: done), ``record`` takes its trial. Searches on different
     engines can so be interleaved, trial by trial (alternating, as a fair
@@ -78,7 +99,7 @@ class Search:
 
     def __init__(
         self,
-        slo: SLO,
+        slo: Criterion,
         first: float,
         tolerance: float = 0.025,
         max_trials: int = 16,
@@ -87,7 +108,8 @@ class Search:
     ) -> None:
         if not first > 0:
             raise ValueError("the first rate must be > 0")
-        self.slo, self.first, self.tolerance = slo, first, tolerance
+        self.slo: Criterion = slo
+        self.first, self.tolerance = first, tolerance
         self.max_trials, self.lowest = max_trials, lowest
         self.known = {} if known is None else known
         self.trials: list[Trial] = []
@@ -128,18 +150,18 @@ class Search:
             self.hi = min(self.hi, trial.rate)
 
     @property
-    def result(self) -> Capacity:
+    def result(self) -> Capacity[Criterion]:
         return Capacity(self.slo, self.lo, self.trials)
 
 
 def search(
     run: Callable[[float], Trial],
-    slo: SLO,
+    slo: Criterion,
     first: float,
     tolerance: float = 0.025,
     max_trials: int = 16,
     known: dict[float, Trial] | None = None,
-) -> Capacity:
+) -> Capacity[Criterion]:
     """The highest rate meeting ``slo`` to within ``tolerance``, running
     ``run(rate)`` for each trial (see ``Search``)."""
     s = Search(slo, first, tolerance, max_trials, known=known)
@@ -149,8 +171,12 @@ def search(
 
 
 def trial_from(rate: float, summary: dict[str, Any]) -> Trial:
-    """A trial from a run's summary (``itl_p99_ms``, ``queue_wait_p50_ms``, ``errors``)."""
-    return Trial(rate, summary["itl_p99_ms"], summary["queue_wait_p50_ms"], summary.get("errors", 0), summary)
+    """A trial from a run's summary (``itl_p99_ms``, ``queue_wait_p50_ms``, ``errors``;
+    ``refused`` count as errors to an SLO; ``good_share`` where targets were judged)."""
+    errors = summary.get("errors", 0) + summary.get("refused", 0)
+    return Trial(
+        rate, summary["itl_p99_ms"], summary["queue_wait_p50_ms"], errors, summary, summary.get("good_share", 0.0)
+    )
 
 
 def budget_for(cost: IterationCost, slo_ms: float, decodes: int, context: int, most: int) -> int:
