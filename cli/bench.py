@@ -44,7 +44,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--tbt-slo-ms",
         type=float,
         default=100.0,
-        help="goodput counts requests whose every gap met it; sweeps mark the largest setting whose p99 did",
+        help="goodput counts requests whose own P99 gap met it; sweeps mark the largest setting whose p99 did",
+    )
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        help="goodput counts only requests whose first token came within it (from sending); default: not judged",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="directory for the report (JSON, markdown) and PNG plots")
