@@ -151,7 +151,7 @@ def run_capacity(args: argparse.Namespace) -> None:
     """Capacity under the SLO for each way of scheduling, on the trace."""
     from core.analysis.capacity import RELAXED, SLO, STRICT
     from core.analysis.profiler import Profile
-    from core.analysis.sim_capacity import Setup, capacities
+    from core.analysis.sim_capacity import Setup, capacities, goodput_capacities
     from core.analysis.traces import read_trace
 
     if args.trace is None:
@@ -184,6 +184,9 @@ def run_capacity(args: argparse.Namespace) -> None:
         "trace_rate_req_per_s": own_rate,
         "modes": rows,
     }
+    if setup.config.ttft_slo_ms:
+        doc["ttft_slo_ms"] = setup.config.ttft_slo_ms
+        doc["goodput"] = goodput_capacities(setup, slo, setup.config.ttft_slo_ms, args.rate or own_rate)
     emit(args, doc, format_capacity(doc))
 
 
@@ -203,4 +206,19 @@ def format_capacity(doc: dict[str, Any]) -> str:
             f"  {row['mode']:<36} {row['capacity_req_per_s']:>8.4g} {figures[0]:>9.1f} {figures[1]:>8.1f}"
             f" {figures[2]:>8.2f} {figures[3]:>8.2f} {figures[4]:>8.1f} {figures[5]:>9.1f}"
         )
+    if "goodput" in doc:
+        lines += [
+            "",
+            f"goodput capacity: at least 90 % of the requests good (TTFT <= {doc['ttft_slo_ms']:g} ms and their own "
+            "P99 gap within the SLO; refused ones not good)",
+            f"  {'mode':<36} {'req/s':>8} {'good':>6} {'refused':>8} {'TTFT p50':>9} {'p99':>8}  (at capacity)",
+        ]
+        for row in doc["goodput"]:
+            at = row["at_capacity"] or {}
+            nan = float("nan")
+            lines.append(
+                f"  {row['mode']:<36} {row['goodput_capacity_req_per_s']:>8.4g} {at.get('good_share', nan):>6.1%}"
+                f" {at.get('shed_requests', 0):>8} {at.get('ttft_p50_ms', nan):>9.1f}"
+                f" {at.get('ttft_p99_ms', nan):>8.1f}"
+            )
     return "\n".join(lines)

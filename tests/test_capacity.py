@@ -112,7 +112,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_simulate_capacity_cli():
     argv = ["simulate", "--trace", str(AZURE), "--window", "0:40", "--capacity", "strict", "--token-budget", "1024"]
-    out = cli(*argv, "--attention", "--json")
+    out = cli(*argv, "--attention", "--ttft-slo-ms", "2000", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["slo"].startswith("P99 TBT <= ") and doc["decode_iteration_ms"] > 0
@@ -120,6 +120,11 @@ def test_simulate_capacity_cli():
     assert modes[0] == "token budget 1024" and modes[2] == "TBT target, budget 1024" and modes[3] == "unchunked"
     for m in doc["modes"]:
         assert m["capacity_req_per_s"] > 0 and m["trials"]
+    assert [m["mode"] for m in doc["goodput"]] == ["TBT target", "TBT + TTFT targets", "both + shedding"]
+    for m in doc["goodput"]:  # the highest passing rate, and every trial above it failed
+        rate = m["goodput_capacity_req_per_s"]
+        assert rate > 0 and m["at_capacity"]["good_share"] >= 0.9
+        assert all(not t["meets"] for t in m["trials"] if t["rate"] > rate)
     out = cli("simulate", "--capacity", "strict")
     assert out.returncode == 2 and "--capacity needs --trace" in out.stderr
     out = cli("simulate", "--trace", str(AZURE), "--window", "x:y", "--capacity", "strict")

@@ -14,7 +14,9 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from websockets.asyncio.client import connect
 
+from core.analysis.sim_capacity import good_share
 from core.analysis.sim_runner import SimRunner, VirtualClock
 from core.analysis.simulator import Arrival, report, simulate
 from core.sched.config import CacheConfig, Policy, SchedulerConfig
@@ -28,6 +30,7 @@ from gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.simkit import examples, request, run_to_completion, tokens
 from tests.simkit import step_items as step
+from tests.wsclient import collect, send
 
 MS = 1_000_000
 
@@ -208,6 +211,13 @@ def test_refusals_cost_no_block_and_no_prefill():
     assert good["shed"] / len(shed.requests) >= 0.75 > good["kept"] / len(kept.requests)
 
 
+def test_the_simulators_good_share_counts_refusals_as_not_good():
+    shed = simulated_overload(True)
+    good = report(shed)["summary"]["good_requests"]
+    assert good_share(shed, 500.0, 0.0) == good / 40
+    assert good_share(shed, 1e6, 0.0) == len(shed.requests) / 40  # every admitted one good at a loose target
+
+
 # -- goodput ---------------------------------------------------------------------------
 def test_goodput_judged_on_a_scripted_timeline():
     r = request("r", 10)
@@ -300,3 +310,24 @@ def test_the_target_round_trips_live_and_bad_values_are_refused(server):
         for bad in (-5, "soon", True, float("1e9")):
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ttft_slo_ms": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "ttft_slo_ms", bad
+
+
+async def test_the_websocket_says_best_effort_and_refuses_with_a_frame(server):
+    seen = server.engine_call(lambda: server.loop.engine.scheduler.num_added)
+    async with connect(server.ws_url) as ws:
+        with_forecast(server, Forecast(0, Pace(1, 1.0), seen=seen))  # late even alone: best-effort
+        await send(ws, type="generate", id="a", prompt="hello there", max_tokens=2)
+        accepted = (await collect(ws, ["a"]))["a"][0]
+        assert accepted["type"] == "accepted" and accepted["best_effort"] is True
+        assert accepted["predicted_ttft_ms"] > 1000
+        server.client.settings.shed_load = True
+        try:
+            seen = server.engine_call(lambda: server.loop.engine.scheduler.num_added)
+            with_forecast(server, Forecast(100_000, Pace(100, 0.1), seen=seen))
+            await send(ws, type="generate", id="b", prompt="hello there", max_tokens=2)
+            refused = (await collect(ws, ["b"]))["b"][-1]
+            assert refused["type"] == "error" and refused["code"] == "overloaded"
+            assert refused["retry_after_s"] >= 1
+        finally:
+            server.client.settings.shed_load = False
+    assert server.wait_kv_baseline() == 0

@@ -6,6 +6,11 @@ largest budget the cost model puts within the SLO (the article's recipe);
 with a TBT target of the SLO; unchunked; and, for a P:D pair, disaggregated
 (P prefill and D decode workers: its capacity is the pair's); and, given an
 acceptance rate, the TBT target with speculative decoding.
+
+With a TTFT target, goodput capacity too (``core.analysis.capacity.Goodput``:
+the highest rate at which 90 % of the requests were good, every one judged
+at the TTFT target and the SLO, a refused one not good) of the TBT target
+alone, both targets, and both with shedding.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from core.analysis.capacity import SLO, Trial, budget_for, search, trial_from
+from core.analysis.capacity import SLO, Goodput, Trial, budget_for, search, trial_from
 from core.analysis.cost_model import CostModel
 from core.analysis.disagg_plan import Link
 from core.analysis.disagg_sim import simulate_disaggregated
-from core.analysis.simulator import report, simulate, trace_arrivals
+from core.analysis.simulator import SimResult, report, simulate, trace_arrivals
 from core.analysis.traces import Replay, TraceRequest, replay
 from core.sched.config import CacheConfig, Chunking, SchedulerConfig, Speculate
-from core.sched.timings import percentile
+from core.sched.request import FinishReason
+from core.sched.timings import judge, percentile, request_timings
 
 
 @dataclass(slots=True)
@@ -113,6 +119,52 @@ def capacities(setup: Setup, slo: SLO, decodes: int, first: float) -> list[dict[
                 "capacity_req_per_s": found.rate,
                 "at_capacity": best.figures if best is not None else None,
                 "trials": [{"rate": t.rate, "meets": t.meets(slo), **t.figures} for t in found.trials],
+            }
+        )
+    return rows
+
+
+def good_share(result: SimResult, ttft_slo_ms: float, tbt_slo_ms: float) -> float:
+    """The share of a run's requests good at these targets, whatever targets its
+    scheduler ran with; refused ones count, as not good."""
+    done = (FinishReason.STOP, FinishReason.LENGTH)
+    good = sum(
+        judge(request_timings(r.timeline), ttft_slo_ms, tbt_slo_ms, r.finish_reason in done).good
+        for r in result.requests.values()
+    )
+    total = len(result.requests) + len(result.shed)
+    return good / total if total else 0.0
+
+
+def goodput_capacities(setup: Setup, slo: SLO, ttft_slo_ms: float, first: float) -> list[dict[str, Any]]:
+    """Goodput capacity of the TBT target alone, both targets, and both with
+    shedding, each judged at ``ttft_slo_ms`` and the SLO."""
+    criterion = Goodput()
+    tbt = dataclasses.replace(setup.config, tbt_slo_ms=slo.tbt_p99_ms, ttft_slo_ms=0.0)
+    both = dataclasses.replace(tbt, ttft_slo_ms=ttft_slo_ms)
+    rows = []
+    for name, mode, shed in (
+        ("TBT target", tbt, False),
+        ("TBT + TTFT targets", both, False),
+        ("both + shedding", both, True),
+    ):
+
+        def run(rate: float, mode: SchedulerConfig = mode, shed: bool = shed) -> Trial:
+            arrivals = trace_arrivals(replay(setup.requests, setup.at(rate)))
+            result = simulate(arrivals, mode, setup.cache, setup.cost, shed_load=shed)
+            summary = report(result)["summary"]
+            share = good_share(result, ttft_slo_ms, slo.tbt_p99_ms)
+            figures = {**summary, "good_share": share}
+            return Trial(rate, summary["itl_p99_ms"], summary["queue_wait_p50_ms"], 0, figures, share)
+
+        found = search(run, criterion, first)
+        best = found.at_capacity
+        rows.append(
+            {
+                "mode": name,
+                "goodput_capacity_req_per_s": found.rate,
+                "at_capacity": best.figures if best is not None else None,
+                "trials": [{"rate": t.rate, "meets": t.meets(criterion), **t.figures} for t in found.trials],
             }
         )
     return rows
