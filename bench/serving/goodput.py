@@ -17,7 +17,7 @@ at the trial's mean rate, lengths scaled as ``bench.serving.capacity``
 scales them; the first ``--warmup`` of them run but are not judged.
 
 Configurations, on each trace, their trials alternating one by one:
-- stallfree-both: TBT target at the SLO, TTFT target 2 s (slack-ordered
+- stallfree-both: TBT target at the SLO, TTFT target 2 s (deadline-ordered
   queue; a request forecast late is admitted best-effort);
 - stallfree-shed: the same, shedding load (a request forecast late is
   refused at once: 429 with Retry-After);
