@@ -141,7 +141,7 @@ def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tm
     assert order[:4] == list(settings)  # one trial of each configuration in turn
     assert all(len(r.search.trials) <= 6 for r in runs)
     assert 8.0 / 1.05 <= runs[0].search.result.rate <= 8.0
-    goodput.shed_check(runs, trial, doc, base)
+    goodput.shed_check(runs, trial, doc, base, {})
     check = doc["shed_check"][0]
     assert check["rate"] == 1.5 * runs[3].search.result.rate and check["passed"]
     goodput.more_rates(runs, trial, [2.0], doc, base)

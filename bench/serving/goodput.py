@@ -126,6 +126,13 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=6, help="per search")
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
+    ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all four)")
+    ap.add_argument(
+        "--shed-check-vs",
+        default="",
+        help="vLLM's goodput capacity per trace for the shedding check, e.g. azure=4.2,mooncake=0.5, "
+        "from another record (default: this run's vLLM search)",
+    )
     args = ap.parse_args()
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
@@ -175,6 +182,8 @@ def main() -> None:
         )
         rows = {t.name: read_trace(t.file) for t in traces}
         settings = configs(slo_ms, args.vllm_budget)
+        if args.only:
+            settings = {name: config for name, config in settings.items() if name in args.only.split(",")}
         doc["configs"] = settings
         doc["simulated"] = predict(traces, rows, settings, slo_ms, profile.cost_model, args.vllm_budget, args.requests)
         write(base, doc)
@@ -183,7 +192,9 @@ def main() -> None:
             rows, {t.name: t for t in traces}, tokenizer, sf.url, engines, args.requests, args.warmup, slo_ms
         )
         alternate(runs, trial, doc, base)
-        shed_check(runs, trial, doc, base)
+        given = dict(pair.split("=") for pair in args.shed_check_vs.split(",") if pair)
+        vllm = {TRACE_SPECS[key].name: float(rate) for key, rate in given.items()}
+        shed_check(runs, trial, doc, base, vllm)
         more_rates(runs, trial, multiples, doc, base)
     finally:
         if vl is not None:
@@ -354,15 +365,16 @@ def alternate(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -
 
 
 def vllm_capacity(runs: list[Run], trace: str) -> float:
-    return next(r.search.result.rate for r in runs if r.trace == trace and r.config is None)
+    """This run's vLLM goodput capacity on the trace (0: not searched)."""
+    return next((r.search.result.rate for r in runs if r.trace == trace and r.config is None), 0.0)
 
 
-def shed_check(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path) -> None:
-    """stallfree shedding at 1.5 x vLLM's goodput capacity: were the admitted
-    requests good, and was every refusal quick?"""
+def shed_check(runs: list[Run], trial: Trials, doc: dict[str, Any], base: Path, given: dict[str, float]) -> None:
+    """stallfree shedding at 1.5 x vLLM's goodput capacity (``given`` per trace
+    name, else this run's): were the admitted requests good, and was every refusal quick?"""
     doc["shed_check"] = []
     for r in runs:
-        vllm = vllm_capacity(runs, r.trace)
+        vllm = given.get(r.trace) or vllm_capacity(runs, r.trace)
         if r.engine != "stallfree-shed" or vllm == 0:
             continue
         result = trial(r, SHED_CHECK_RATE * vllm)

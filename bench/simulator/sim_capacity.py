@@ -1,7 +1,8 @@
 """The simulator on both production traces at full scale: Sarathi-Serve's
 capacity of each way of scheduling for the article's 8B model and GPU.
 
-    .venv/bin/python -m bench.simulator.sim_capacity [--requests 1000] [--disaggregate 1:1]
+    .venv/bin/python -m bench.simulator.sim_capacity [--requests 1000] [--disaggregate 1:1] \
+        [--searches capacity,goodput] [--ttft-slo-ms 2000] [--slos strict,relaxed]
 
 The real scheduler on the article's roofline (Llama-3-8B in bf16 on a 400
 TFLOP/s, 3 TB/s accelerator, attention FLOPs and KV reads included; 64 GiB
@@ -13,8 +14,11 @@ prompt. Compared: the token budget 512; the largest budget the cost model
 puts within the SLO; a TBT target of the SLO (budget 512); with
 ``--draft-acceptance``, that target with speculative decoding (every decode
 proposes drafts, each kept with that probability); unchunked; and
-disaggregated P:D (its capacity is the P + D workers'). Writes a new
-bench/results/sim_capacity-<date>.{json,md}.
+disaggregated P:D (its capacity is the P + D workers'). With ``goodput``
+among ``--searches``: goodput capacity (at least 90 % of the requests good:
+TTFT within ``--ttft-slo-ms``, their own P99 gap within the SLO, refused
+ones not good) of the TBT target alone, both targets, and both with
+shedding. Writes a new bench/results/sim_capacity-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from bench.serving.capacity import TRACE_SPECS
 from core.analysis.capacity import RELAXED, SLO, STRICT
 from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
 from core.analysis.disagg_plan import Link
-from core.analysis.sim_capacity import Setup, capacities, figures_at_capacity
+from core.analysis.sim_capacity import Setup, capacities, figures_at_capacity, goodput_capacities
 from core.analysis.traces import Replay, read_trace
 from core.sched.config import CacheConfig, SchedulerConfig
 
@@ -44,7 +48,11 @@ def main() -> None:
         type=float,
         help="adds the TBT target with speculative decoding, every draft kept with this probability",
     )
+    ap.add_argument("--searches", default="capacity", help="capacity (Sarathi-Serve's), goodput, or both")
+    ap.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the TTFT target goodput is judged by")
+    ap.add_argument("--slos", default="strict,relaxed", help="which of Sarathi-Serve's SLOs")
     args = ap.parse_args()
+    searches = args.searches.split(",")
     p, d = (int(x) for x in args.disaggregate.split(":"))
     cost = CostModel(LLAMA3_8B, ARTICLE_GPU, attention=True, kv_reads=True)
     config = SchedulerConfig(token_budget=512, max_num_seqs=256, max_model_len=131_072)
@@ -77,10 +85,19 @@ def main() -> None:
             "slos": {},
         }
         for slo_name, multiple in (("strict", STRICT), ("relaxed", RELAXED)):
+            if slo_name not in args.slos.split(","):
+                continue
             slo = SLO(multiple * decode_ms)
             started = time.perf_counter()
-            rows = capacities(setup, slo, 8, setup.own_rate())
+            rows = capacities(setup, slo, 8, setup.own_rate()) if "capacity" in searches else []
             entry["slos"][slo_name] = {"slo_ms": slo.tbt_p99_ms, "modes": rows}
+            if "goodput" in searches:
+                entry["slos"][slo_name]["ttft_slo_ms"] = args.ttft_slo_ms
+                entry["slos"][slo_name]["goodput"] = goodput_capacities(setup, slo, args.ttft_slo_ms, setup.own_rate())
+                rows = rows + [
+                    {"mode": f"goodput, {r['mode']}", "capacity_req_per_s": r["goodput_capacity_req_per_s"]}
+                    for r in entry["slos"][slo_name]["goodput"]
+                ]
             print(
                 f"{key} {slo_name}: "
                 + ", ".join(f"{r['mode']} {r['capacity_req_per_s']:.3g}" for r in rows)
@@ -98,7 +115,7 @@ def write(doc: dict[str, Any], requests: int) -> None:
     base = dated("sim_capacity")
     base.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     lines = [
-        "# The simulator on both production traces at full scale: capacity under a TBT SLO",
+        "# The simulator on both production traces at full scale: capacity under a TBT SLO, and goodput capacity",
         "",
         f"`{doc['command']}`, {doc['date']}: {doc['model']}; token budget 512, 256 sequences, "
         f"{doc['scheduler']['kv_tokens']:,} tokens of KV. Every trial replays the trace's first {requests} "
@@ -122,8 +139,38 @@ def write(doc: dict[str, Any], requests: int) -> None:
                     [f"{slo_name} ({cell['slo_ms']:.1f})", r["mode"], f"{r['capacity_req_per_s']:.3g}", *figures]
                 )
         header = ["SLO", "mode", "req/s", "TTFT p50", "p99", "TBT p50", "p99", "worst gap", "sched. p50"]
-        lines += table(header, cells, "llrrrrrrr")
-        lines.append("")
+        if cells:
+            lines += table(header, cells, "llrrrrrrr")
+            lines.append("")
+        good = []
+        for slo_name, cell in t["slos"].items():
+            for r in cell.get("goodput", []):
+                at = r["at_capacity"] or {}
+                good.append(
+                    [
+                        f"{slo_name} ({cell['slo_ms']:.1f})",
+                        f"{cell['ttft_slo_ms']:g}",
+                        r["mode"],
+                        f"{r['goodput_capacity_req_per_s']:.3g}",
+                        f"{at.get('good_share', float('nan')):.1%}",
+                        str(at.get("shed_requests", 0)),
+                        f"{at.get('ttft_p50_ms', float('nan')):.0f}",
+                        f"{at.get('ttft_p99_ms', float('nan')):.0f}",
+                        f"{at.get('itl_p99_ms', float('nan')):.1f}",
+                    ]
+                )
+        if good:
+            lines += [
+                "Goodput capacity: the highest rate at which at least 90 % of the requests were good (TTFT within "
+                "the TTFT target, their own P99 gap within the SLO; refused ones not good).",
+                "",
+                *table(
+                    ["SLO", "TTFT target", "mode", "req/s", "good", "refused", "TTFT p50", "p99", "TBT p99"],
+                    good,
+                    "lllrrrrrr",
+                ),
+                "",
+            ]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
