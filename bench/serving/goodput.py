@@ -450,13 +450,13 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     cells = []
     for trace in dict.fromkeys(row["trace"] for row in doc["table"]):
         mine = {row["engine"]: row for row in doc["table"] if row["trace"] == trace}
-        vllm = next(row["capacity_req_per_s"] for e, row in mine.items() if e.startswith("vllm-"))
-        both = mine["stallfree-both"]["capacity_req_per_s"]
+        vllm = next((row["capacity_req_per_s"] for e, row in mine.items() if e.startswith("vllm-")), 0.0)
+        both = mine["stallfree-both"]["capacity_req_per_s"] if "stallfree-both" in mine else 0.0
         cells.append(
             [
                 trace,
                 *(f"{mine[e]['capacity_req_per_s']:.3g} ({mine[e]['simulated_req_per_s']:.3g})" for e in engines),
-                f"{both / vllm:.2f}" if vllm else "–",
+                f"{both / vllm:.2f}" if vllm and both else "–",
             ]
         )
     lines += table(["trace", *engines, "both targets / vLLM"], cells, "l" + "r" * (len(engines) + 1))
