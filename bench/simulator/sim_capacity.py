@@ -2,7 +2,7 @@
 capacity of each way of scheduling for the article's 8B model and GPU.
 
     .venv/bin/python -m bench.simulator.sim_capacity [--requests 1000] [--disaggregate 1:1] \
-        [--searches capacity,goodput] [--ttft-slo-ms 2000] [--slos strict,relaxed]
+        [--searches capacity,goodput] [--ttft-slo-ms 2000] [--slos strict,relaxed] [--trace azure|mooncake|both]
 
 The real scheduler on the article's roofline (Llama-3-8B in bf16 on a 400
 TFLOP/s, 3 TB/s accelerator, attention FLOPs and KV reads included; 64 GiB
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--searches", default="capacity", help="capacity (Sarathi-Serve's), goodput, or both")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the TTFT target goodput is judged by")
     ap.add_argument("--slos", default="strict,relaxed", help="which of Sarathi-Serve's SLOs")
+    ap.add_argument("--trace", choices=[*TRACE_SPECS, "both"], default="both")
     args = ap.parse_args()
     searches = args.searches.split(",")
     p, d = (int(x) for x in args.disaggregate.split(":"))
@@ -65,6 +66,8 @@ def main() -> None:
         "traces": [],
     }
     for key, spec in TRACE_SPECS.items():
+        if args.trace not in (key, "both"):
+            continue
         setup = Setup(
             read_trace(spec.file),
             Replay(count=args.requests),
