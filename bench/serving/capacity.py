@@ -73,7 +73,16 @@ from core.model.tokenizer import Tokenizer
 from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
 from gateway.metrics import LATENCY_BUCKETS
-from loadtest.generator import Arrival, OpenAITarget, PromptMaker, WordPrompts, run_jobs, summarize, trace_jobs
+from loadtest.generator import (
+    Arrival,
+    OpenAITarget,
+    PromptMaker,
+    Result,
+    WordPrompts,
+    run_jobs,
+    summarize,
+    trace_jobs,
+)
 from loadtest.report import replay_jobs
 
 MODEL_DIR = VLLM / "smollm2-hf"
@@ -375,16 +384,15 @@ class Trials:
         engine = "stallfree" if r.engine.startswith("stallfree") else r.engine
         if engine == "stallfree":
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
-        target = self.engines[engine]
-        metrics = target.base_url.removesuffix("/v1") + "/metrics"
-        for other in self.engines.values():  # neither engine still busy with an earlier trial
-            wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
-        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
-        jobs = trace_jobs(window, WordPrompts(self.tokenizer, seed=int(time.time())))
         started = time.perf_counter()
-        deadline_s = max(job.at_s for job in jobs) + DRAIN_S
-        results, queue_wait_ms = replay_jobs(target, jobs, metrics, deadline_s)
-        measured = sorted(results, key=lambda res: res.job.at_s)[int(len(results) * self.warmup) :]
+        results, measured, queue_wait_ms = replay_trial(
+            self.engines,
+            engine,
+            replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count)),
+            self.tokenizer,
+            self.warmup,
+        )
+        metrics = self.engines[engine].base_url.removesuffix("/v1") + "/metrics"
         summary = summarize(measured, tbt_slo_ms=r.search.slo.tbt_p99_ms)
         summary["errors"] += sum(res.error is not None for res in results) - sum(
             res.error is not None for res in measured
@@ -396,7 +404,7 @@ class Trials:
             summary["cost_corrections"] = corrections(metrics)
         trial = trial_from(rate, summary)
         print(
-            f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s ({len(jobs)} requests): "
+            f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s ({len(results)} requests): "
             f"p99 TBT {trial.tbt_p99_ms:7.0f} ms (SLO {r.search.slo.tbt_p99_ms:.0f}), "
             f"sched p50 {trial.scheduling_delay_p50_ms:6.0f} ms, {trial.errors} errors: "
             f"{'meets' if trial.meets(r.search.slo) else 'fails'} ({summary['wall_s']:.0f} s)",
@@ -404,6 +412,22 @@ class Trials:
             flush=True,
         )
         return trial
+
+
+def replay_trial(
+    engines: dict[str, OpenAITarget], engine: str, window: list[TraceRequest], tokenizer: Tokenizer, warmup: float
+) -> tuple[list[Result], list[Result], float | None]:
+    """One trial's requests through ``engine``'s OpenAI API once no engine is
+    still busy with an earlier one: every result, those judged (the first
+    ``warmup`` share left out), and the server's median queue wait from its histogram."""
+    target = engines[engine]
+    for other in engines.values():
+        wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
+    jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
+    deadline_s = max(job.at_s for job in jobs) + DRAIN_S
+    results, queue_wait_ms = replay_jobs(target, jobs, target.base_url.removesuffix("/v1") + "/metrics", deadline_s)
+    measured = sorted(results, key=lambda res: res.job.at_s)[int(len(results) * warmup) :]
+    return results, measured, queue_wait_ms
 
 
 def corrections(metrics_url: str) -> dict[str, float]:

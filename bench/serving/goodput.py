@@ -61,7 +61,6 @@ import torch
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import ROOT, VLLM, StallfreeServer, free_port, stop
 from bench.serving.capacity import (
-    DRAIN_S,
     MAX_MODEL_LEN,
     MODEL_DIR,
     TBT_BUDGET,
@@ -71,8 +70,8 @@ from bench.serving.capacity import (
     corrections,
     decode_gap_ms,
     measure_profile,
+    replay_trial,
     vllm_at,
-    wait_idle,
 )
 from core.analysis.capacity import STRICT, Goodput, Search, Trial, search, trial_from
 from core.analysis.profiler import Profile
@@ -85,8 +84,7 @@ from core.sched.config import CacheConfig, SchedulerConfig
 from core.sched.cost import IterationCost
 from core.sched.request import FinishReason
 from core.sched.timings import RequestTimings, judge
-from loadtest.generator import OpenAITarget, WordPrompts, summarize, trace_jobs
-from loadtest.report import replay_jobs
+from loadtest.generator import OpenAITarget, summarize
 
 TTFT_SLO_MS = 2000.0
 GOODPUT = Goodput(0.9)
@@ -314,16 +312,10 @@ class Trials:
         engine = "vllm" if r.config is None else "stallfree"
         if r.config is not None:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
-        target = self.engines[engine]
-        metrics = target.base_url.removesuffix("/v1") + "/metrics"
-        for other in self.engines.values():  # neither engine still busy with an earlier trial
-            wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
-        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
-        jobs = trace_jobs(window, WordPrompts(self.tokenizer, seed=int(time.time())))
         started = time.perf_counter()
-        deadline_s = max(job.at_s for job in jobs) + DRAIN_S
-        results, queue_wait_ms = replay_jobs(target, jobs, metrics, deadline_s)
-        measured = sorted(results, key=lambda res: res.job.at_s)[int(len(results) * self.warmup) :]
+        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
+        results, measured, queue_wait_ms = replay_trial(self.engines, engine, window, self.tokenizer, self.warmup)
+        metrics = self.engines[engine].base_url.removesuffix("/v1") + "/metrics"
         summary = summarize(measured, tbt_slo_ms=self.slo_ms, ttft_slo_ms=TTFT_SLO_MS)
         summary["queue_wait_p50_ms"] = queue_wait_ms if queue_wait_ms is not None else float("inf")
         # every refusal of the trial, the warm-up's too: the shedding check reads each
@@ -333,7 +325,7 @@ class Trials:
             summary["cost_corrections"] = corrections(metrics)
         trial = trial_from(rate, summary)
         print(
-            f"{r.engine:>15} {r.trace[:7]:>7} {rate:7.3f} req/s ({len(jobs)} requests): "
+            f"{r.engine:>15} {r.trace[:7]:>7} {rate:7.3f} req/s ({len(results)} requests): "
             f"good {summary['good_share']:6.1%} (TTFT {summary['ttft_attainment']:6.1%}, "
             f"TBT {summary['tbt_attainment']:6.1%}), {summary['refused']} refused, {summary['errors']} errors: "
             f"{'meets' if trial.meets(GOODPUT) else 'fails'} ({summary['wall_s']:.0f} s)",
