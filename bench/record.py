@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from bench.servers import OUT
-from kernels import backend, cpu_build
+from stallfree.kernels import backend, cpu_build
 
 
 def machine() -> dict[str, object]:

@@ -55,7 +55,17 @@ class StallfreeServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        cmd = [sys.executable, "-m", "cli", "--log-level", log_level, "serve", "--port", str(self.port), *serve_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "stallfree.cli",
+            "--log-level",
+            log_level,
+            "serve",
+            "--port",
+            str(self.port),
+            *serve_args,
+        ]
         out = log.open("w") if log else None
         self.proc = subprocess.Popen(
             cmd,

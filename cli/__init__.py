@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli import bench, export, generate, plan, profile, serve, simulate
+from stallfree.cli import bench, export, generate, plan, profile, serve, simulate
 
 COMMANDS = (plan, simulate, generate, profile, serve, export, bench)
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gateway.logs import configure_logging
+    from stallfree.gateway.observe.logs import configure_logging
 
     configure_logging(args.log_level or ("info" if args.command == "serve" else "warning"))
     try:

@@ -1,3 +1,3 @@
-from cli import main
+from stallfree.cli import main
 
 raise SystemExit(main())

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.options import add_replay_args, emit, replay_of
+from stallfree.cli.options import add_replay_args, emit, replay_of
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> None:
     import httpx
     import orjson
 
-    from loadtest.report import format_report, markdown_report, plot_report, run_bench
+    from stallfree.loadtest.report import format_report, markdown_report, plot_report, run_bench
 
     args.replay = replay_of(args) if args.trace else None  # the trace's window, pace and scaling
     try:

@@ -16,8 +16,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from core.model.export import export_hf_dir
-    from core.model.loader import load_model
+    from stallfree.core.model.export import export_hf_dir
+    from stallfree.core.model.loader import load_model
 
     loaded = load_model(args.model)
     export_hf_dir(loaded, args.out)

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from cli.options import add_model_args, model_settings
+from stallfree.cli.options import add_model_args, model_settings
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -26,12 +26,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     """Stream one answer to stdout; timings to stderr."""
-    from core.analysis.profiler import compute_label
-    from core.build import build_engine
-    from core.model.detokenizer import Detokenizer
-    from core.sched.config import SchedulerConfig
-    from core.sched.request import Request, SamplingParams
-    from core.sched.timings import request_timings
+    from stallfree.core.analysis.profiler import compute_label
+    from stallfree.core.build import build_engine
+    from stallfree.core.model.detokenizer import Detokenizer
+    from stallfree.core.sched.config import SchedulerConfig
+    from stallfree.core.sched.request import Request, SamplingParams
+    from stallfree.core.sched.timings import request_timings
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
-from core.sched.config import CHUNKING_MODES, POLICIES, SPECULATE_MODES, SchedulerConfig
+from stallfree.core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel, HardwareSpec, ModelSpec
+from stallfree.core.sched.config import CHUNKING_MODES, POLICIES, SPECULATE_MODES, SchedulerConfig
 
 if TYPE_CHECKING:
-    from core.analysis.disagg_plan import Link
-    from core.analysis.traces import Replay
-    from core.build import ModelSettings
+    from stallfree.core.analysis.disagg_plan import Link
+    from stallfree.core.analysis.traces import Replay
+    from stallfree.core.build import ModelSettings
 
 
 def add_disaggregate_args(p: argparse.ArgumentParser, what: str) -> argparse._ArgumentGroup:
@@ -28,7 +28,7 @@ def add_disaggregate_args(p: argparse.ArgumentParser, what: str) -> argparse._Ar
 
 
 def kv_link(args: argparse.Namespace) -> Link:
-    from core.analysis.disagg_plan import Link
+    from stallfree.core.analysis.disagg_plan import Link
 
     return Link(args.link_gbps, args.link_latency_ms / 1e3)
 
@@ -84,7 +84,7 @@ def window(text: str) -> tuple[int, int | None]:
 
 def replay_of(args: argparse.Namespace, rate: float | None = None) -> Replay:
     """The replay the flags describe (``rate``: instead of ``--rate``)."""
-    from core.analysis.traces import Replay
+    from stallfree.core.analysis.traces import Replay
 
     start, count = args.window
     pace = rate if rate is not None else args.rate
@@ -236,7 +236,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_settings(args: argparse.Namespace) -> ModelSettings:
-    from core.build import ModelSettings
+    from stallfree.core.build import ModelSettings
 
     if args.threads is not None and args.threads < 1:
         raise ValueError("--threads must be >= 1")

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cli.options import add_cost_args, add_disaggregate_args, add_json_arg, cost_model, emit, int_list, kv_link
+from stallfree.cli.options import (
+    add_cost_args,
+    add_disaggregate_args,
+    add_json_arg,
+    cost_model,
+    emit,
+    int_list,
+    kv_link,
+)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -42,7 +50,7 @@ def _rates(text: str) -> tuple[float, ...]:
 
 def run(args: argparse.Namespace) -> None:
     if args.disaggregate:
-        from core.analysis.disagg_plan import compare, format_compare
+        from stallfree.core.analysis.disagg_plan import compare, format_compare
 
         p_workers, d_workers = args.disaggregate
         doc = compare(
@@ -57,7 +65,7 @@ def run(args: argparse.Namespace) -> None:
             args.decode_context,
         )
         return emit(args, doc, format_compare(doc))
-    from core.analysis.planner import format_plan, plan
+    from stallfree.core.analysis.planner import format_plan, plan
 
     p = plan(cost_model(args), args.decoders, args.prompt, args.budget, args.burst, args.decode_context)
     emit(args, p, format_plan(p))

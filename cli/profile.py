@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.options import add_json_arg, add_model_args, emit, model_settings
+from stallfree.cli.options import add_json_arg, add_model_args, emit, model_settings
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     paths: dict[str, str] = {}  # the CPU's kind and each op's implementation, when measured here
-    from core.analysis.profiler import Profile, choose_budget, default_profile_path, fit, format_profile
+    from stallfree.core.analysis.profiler import Profile, choose_budget, default_profile_path, fit, format_profile
 
     if args.refit:  # the measured points again, through the current cost model's fit
         prof = Profile.load(args.refit)
@@ -37,9 +37,9 @@ def run(args: argparse.Namespace) -> None:
         prof.hardware = cost.hardware
         path = args.save or args.refit
     else:
-        from core.analysis.profiler import profile_runner
-        from core.build import build_engine
-        from core.sched.config import SchedulerConfig
+        from stallfree.core.analysis.profiler import profile_runner
+        from stallfree.core.build import build_engine
+        from stallfree.core.sched.config import SchedulerConfig
 
         engine, runner = build_engine(model_settings(args), SchedulerConfig())
         prof = profile_runner(runner, engine.kv.num_blocks, runner.threads, quick=args.quick)

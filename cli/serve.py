@@ -10,16 +10,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.options import add_model_args, add_scheduler_args, model_settings, scheduler_config, workers_pair
-from core.cluster.router import ROUTERS
+from stallfree.cli.options import add_model_args, add_scheduler_args, model_settings, scheduler_config, workers_pair
+from stallfree.core.cluster.router import ROUTERS
 
 if TYPE_CHECKING:
-    from core.model.model_runner import ModelRunner
-    from core.model.tokenizer import Tokenizer
-    from core.sched.config import SchedulerConfig
-    from core.sched.engine_process import BuiltEngine
-    from gateway.backend import EngineBackend
-    from gateway.tracing import Tracing
+    from stallfree.core.model.model_runner import ModelRunner
+    from stallfree.core.model.tokenizer import Tokenizer
+    from stallfree.core.sched.config import SchedulerConfig
+    from stallfree.core.sched.engine_process import BuiltEngine
+    from stallfree.gateway.engine.backend import EngineBackend
+    from stallfree.gateway.observe.tracing import Tracing
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -107,12 +107,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     """One bootstrap: the engine here or on Ray replicas (the backend), then the
     same gateway, start-up log, collector settings and exit status for both."""
-    from gateway.auth import WILDCARD_HOSTS
-    from gateway.connections import raise_file_limit
-    from gateway.engine_client import EngineClient
-    from gateway.server import log_startup, make_server
-    from gateway.settings import GatewaySettings
-    from gateway.tracing import Tracing
+    from stallfree.gateway.edge.auth import WILDCARD_HOSTS
+    from stallfree.gateway.edge.connections import raise_file_limit
+    from stallfree.gateway.engine.client import EngineClient
+    from stallfree.gateway.observe.tracing import Tracing
+    from stallfree.gateway.server import log_startup, make_server
+    from stallfree.gateway.settings import GatewaySettings
 
     auto_budget = args.token_budget == "auto"
     if auto_budget:
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> None:
         server.run()
     finally:
         if replicated:
-            from scaleout import app
+            from stallfree.scaleout import app
 
             app.shutdown(args.ray_app)
     if client.fatal is not None:
@@ -179,17 +179,17 @@ def local_backend(
     process``, the default) or on this process's step thread (``--engine thread``)."""
     from functools import partial
 
-    from core.model.embedded import load_tokenizer
+    from stallfree.core.model.embedded import load_tokenizer
 
     tokenizer = load_tokenizer(None if args.sim else args.model)
     facts["engine"] = args.engine
     if args.engine == "process":
-        from gateway.engine_process import EngineProcess
+        from stallfree.gateway.engine.process import EngineProcess
 
         process = EngineProcess(partial(local_engine, args, config, auto_budget))
         facts |= process.facts
         return process, tokenizer, process.name
-    from core.sched.step_loop import StepLoop
+    from stallfree.core.sched.step_loop import StepLoop
 
     built = local_engine(args, config, auto_budget)
     facts |= built.facts
@@ -199,18 +199,18 @@ def local_backend(
 def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget: bool) -> BuiltEngine:
     """The engine the command line asks for (the simulated runner or the model),
     built where it will run, with what the start-up log says of it."""
-    from core.analysis.profiler import Profile, choose_budget
-    from core.sched.engine_process import BuiltEngine
+    from stallfree.core.analysis.profiler import Profile, choose_budget
+    from stallfree.core.sched.engine_process import BuiltEngine
 
     if args.sim:
-        from core.build import build_sim_engine
+        from stallfree.core.build import build_sim_engine
 
         cost = Profile.load(args.sim_profile).cost_model if args.sim_profile else None
         engine, _ = build_sim_engine(
             config, cost, args.kv_cache_gib, time_scale=args.sim_time_scale, read_context=False
         )
         return BuiltEngine(engine, "stallfree-sim", {"runner": "simulated"})
-    from core.build import engine_over, load_runner, startup_profile
+    from stallfree.core.build import engine_over, load_runner, startup_profile
 
     settings_model = model_settings(args)
     if settings_model.threads is None:
@@ -262,13 +262,13 @@ def replica_backend(
             "--replicas and --disaggregate run engines on Ray Serve, which is not installed:"
             " pip install 'stallfree[scale]' (make test installs it)"
         )
-    from core.analysis.profiler import Profile
-    from core.model.gguf import GGUFFile
-    from core.model.loader import embedded_model_path, gguf_config
-    from core.model.tokenizer import Tokenizer
-    from scaleout import app
-    from scaleout.remote import RemoteEngine
-    from scaleout.spec import ReplicaSpec
+    from stallfree.core.analysis.profiler import Profile
+    from stallfree.core.model.gguf import GGUFFile
+    from stallfree.core.model.loader import embedded_model_path, gguf_config
+    from stallfree.core.model.tokenizer import Tokenizer
+    from stallfree.scaleout import app
+    from stallfree.scaleout.remote import RemoteEngine
+    from stallfree.scaleout.spec import ReplicaSpec
 
     if args.replicas is not None and args.disaggregate is not None:
         raise ValueError("--replicas and --disaggregate are exclusive: P:D sets both pools")

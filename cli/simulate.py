@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli.options import (
+from stallfree.cli.options import (
     add_cost_args,
     add_disaggregate_args,
     add_json_arg,
@@ -21,9 +21,9 @@ from cli.options import (
     replay_of,
     scheduler_config,
 )
-from core.analysis.simulator import SCENARIOS
-from core.cluster.router import ROUTERS
-from core.sched.config import CacheConfig
+from stallfree.core.analysis.simulator import SCENARIOS
+from stallfree.core.cluster.router import ROUTERS
+from stallfree.core.sched.config import CacheConfig
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -77,9 +77,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_disaggregated(args: argparse.Namespace) -> None:
-    from core.analysis.disagg_sim import format_side_by_side, simulate_colocated, simulate_disaggregated
-    from core.analysis.profiler import Profile
-    from core.analysis.simulator import load_trace, scenario
+    from stallfree.core.analysis.disagg_sim import format_side_by_side, simulate_colocated, simulate_disaggregated
+    from stallfree.core.analysis.profiler import Profile
+    from stallfree.core.analysis.simulator import load_trace, scenario
 
     arrivals, defaults = (load_trace(args.trace, replay_of(args)), {}) if args.trace else scenario(args.scenario)
     config = scheduler_config(args, defaults)
@@ -94,9 +94,9 @@ def run_disaggregated(args: argparse.Namespace) -> None:
 
 
 def run_replicas(args: argparse.Namespace) -> None:
-    from core.analysis.chat_workload import ChatWorkload
-    from core.analysis.cluster_sim import cluster_report, format_table, simulate_cluster
-    from core.cluster.router import make_router
+    from stallfree.core.analysis.chat_workload import ChatWorkload
+    from stallfree.core.analysis.cluster_sim import cluster_report, format_table, simulate_cluster
+    from stallfree.core.cluster.router import make_router
 
     n = args.replicas
     if n < 1:
@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> None:
         return run_replicas(args)
     if args.disaggregate is not None:
         return run_disaggregated(args)
-    from core.analysis.profiler import Profile
-    from core.analysis.simulator import format_report, load_trace, report, scenario, simulate
+    from stallfree.core.analysis.profiler import Profile
+    from stallfree.core.analysis.simulator import format_report, load_trace, report, scenario, simulate
 
     if args.capacity is not None:
         return run_capacity(args)
@@ -149,10 +149,10 @@ def run(args: argparse.Namespace) -> None:
 
 def run_capacity(args: argparse.Namespace) -> None:
     """Capacity under the SLO for each way of scheduling, on the trace."""
-    from core.analysis.capacity import RELAXED, SLO, STRICT
-    from core.analysis.profiler import Profile
-    from core.analysis.sim_capacity import Setup, capacities, goodput_capacities
-    from core.analysis.traces import read_trace
+    from stallfree.core.analysis.capacity import RELAXED, SLO, STRICT
+    from stallfree.core.analysis.profiler import Profile
+    from stallfree.core.analysis.sim_capacity import Setup, capacities, goodput_capacities
+    from stallfree.core.analysis.traces import read_trace
 
     if args.trace is None:
         raise ValueError("--capacity needs --trace")
@@ -191,7 +191,7 @@ def run_capacity(args: argparse.Namespace) -> None:
 
 
 def format_capacity(doc: dict[str, Any]) -> str:
-    from core.analysis.sim_capacity import figures_at_capacity
+    from stallfree.core.analysis.sim_capacity import figures_at_capacity
 
     lines = [
         f"capacity on {doc['trace']} ({doc['replay']}; the window's own rate {doc['trace_rate_req_per_s']:.3g} req/s)",

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import torch
 
-from core.analysis.cost_model import ARTICLE_GPU, CostModel, HardwareSpec
-from core.analysis.online_cost import OnlineCost
-from core.analysis.profiler import Profile, runner_profile_path, saved_or_quick_profile, saved_profile
-from core.analysis.sim_runner import SimRunner
-from core.model.gguf import GGUFFile
-from core.model.loader import embedded_model_path, gguf_config, load_model
-from core.model.model_runner import ModelRunner, kv_blocks_for, resolve_dtype
-from core.model.tokenizer import Tokenizer
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from kernels.linear import int8_available
+from stallfree.core.analysis.cost_model import ARTICLE_GPU, CostModel, HardwareSpec
+from stallfree.core.analysis.online_cost import OnlineCost
+from stallfree.core.analysis.profiler import Profile, runner_profile_path, saved_or_quick_profile, saved_profile
+from stallfree.core.analysis.sim_runner import SimRunner
+from stallfree.core.model.gguf import GGUFFile
+from stallfree.core.model.loader import embedded_model_path, gguf_config, load_model
+from stallfree.core.model.model_runner import ModelRunner, kv_blocks_for, resolve_dtype
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.kernels.linear import int8_available
 
 # Roughly this 2-core CPU running the embedded SmolLM2 in bf16 (fitted by
 # `stallfree profile`); the simulated server's default cost.

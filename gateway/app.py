@@ -18,17 +18,17 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from core.sched.config import LIVE_SETTINGS
-from core.sched.step_loop import EngineStopped
-from gateway.auth import cross_origin_refusal, key_matches, request_key
-from gateway.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
-from gateway.engine_client import EngineClient
-from gateway.openai_api import error_response, models, read_json
-from gateway.openai_chat import chat_completions
-from gateway.openai_completions import completions
-from gateway.protocol import ProtocolError, error_body
-from gateway.tokens_api import detokenize, tokenize
-from gateway.websocket import stream_endpoint
+from stallfree.core.sched.config import LIVE_SETTINGS
+from stallfree.core.sched.step_loop import EngineStopped
+from stallfree.gateway.edge.auth import cross_origin_refusal, key_matches, request_key
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.inputs.protocol import ProtocolError, error_body
+from stallfree.gateway.observe.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
+from stallfree.gateway.openai.api import error_response, models, read_json
+from stallfree.gateway.openai.chat import chat_completions
+from stallfree.gateway.openai.completions import completions
+from stallfree.gateway.openai.tokens import detokenize, tokenize
+from stallfree.gateway.websocket import stream_endpoint
 
 
 async def metrics(request: Request) -> Response:

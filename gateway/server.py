@@ -25,8 +25,8 @@ from websockets.frames import CloseCode, Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from gateway.app import create_app
-from gateway.connections import (
+from stallfree.gateway.app import create_app
+from stallfree.gateway.edge.connections import (
     AUTHENTICATED,
     OPEN_GENERATIONS,
     SEND_FRAMES,
@@ -35,8 +35,8 @@ from gateway.connections import (
     WriteStall,
     unacked_bytes,
 )
-from gateway.engine_client import EngineClient
-from gateway.logs import limit_stdlib_repeats
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.observe.logs import limit_stdlib_repeats
 
 log = structlog.get_logger(__name__)
 

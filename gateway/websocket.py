@@ -22,14 +22,21 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from core.sched.timings import request_timings
-from gateway.auth import tenant_of
-from gateway.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES
-from gateway.engine_client import EngineClient
-from gateway.generation import Piece, PieceMaker, ready_pieces
-from gateway.protocol import GenerateRequest, ProtocolError, boolean, parse_generate, parse_json_object, parse_off_loop
-from gateway.streams import RequestStream
-from gateway.ws_auth import accept
+from stallfree.core.sched.timings import request_timings
+from stallfree.gateway.edge.auth import tenant_of
+from stallfree.gateway.edge.connections import OPEN_GENERATIONS, SEND_FRAMES, UNACKED_BYTES
+from stallfree.gateway.edge.ws_auth import accept
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.engine.pieces import Piece, PieceMaker, ready_pieces
+from stallfree.gateway.engine.streams import RequestStream
+from stallfree.gateway.inputs.protocol import (
+    GenerateRequest,
+    ProtocolError,
+    boolean,
+    parse_generate,
+    parse_json_object,
+    parse_off_loop,
+)
 
 log = structlog.get_logger(__name__)
 

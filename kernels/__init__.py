@@ -19,11 +19,11 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_build, reference
-from kernels.attention_meta import AttentionMeta, build_attention_meta
-from kernels.compact import Quantized
-from kernels.linear import Linear
-from kernels.linear import int8_available as linear_int8_available
+from stallfree.kernels import cpu_build, reference
+from stallfree.kernels.attention_meta import AttentionMeta, build_attention_meta
+from stallfree.kernels.compact import Quantized
+from stallfree.kernels.linear import Linear
+from stallfree.kernels.linear import int8_available as linear_int8_available
 
 
 @cache
@@ -31,7 +31,7 @@ def _triton() -> ModuleType | None:
     """Imported on first use on CUDA only, so CPU runs never load Triton."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from kernels import triton_ops
+    from stallfree.kernels import triton_ops
 
     return triton_ops
 
@@ -41,7 +41,7 @@ def native_cpu() -> ModuleType | None:
     """The C++ kernels (``kernels.cpu_ops``) when they build and load here, else None."""
     if cpu_build.status().backend != "native":
         return None
-    from kernels import cpu_ops
+    from stallfree.kernels import cpu_ops
 
     return cpu_ops
 
@@ -89,8 +89,8 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
     status = cpu_build.status()
     if status.backend != "native":
         return {"kind": cpu_build.kind(), "all ops": str(status)}
-    from kernels import cpu_ops
-    from kernels.linear import dot_available
+    from stallfree.kernels import cpu_ops
+    from stallfree.kernels.linear import dot_available
 
     amx = cpu_build.has_amx()
     if dtype == torch.bfloat16 and dot_available():

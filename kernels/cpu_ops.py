@@ -15,9 +15,9 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels import reference
-from kernels.attention_meta import AttentionMeta
-from kernels.linear import Linear
+from stallfree.kernels import reference
+from stallfree.kernels.attention_meta import AttentionMeta
+from stallfree.kernels.linear import Linear
 
 write_kv = reference.write_kv  # one index_copy_ per cache: already a single pass
 

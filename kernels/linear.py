@@ -34,8 +34,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
-from kernels.compact import CompactWeight, Quantized, compact_weight
+from stallfree.kernels import cpu_build
+from stallfree.kernels.compact import CompactWeight, Quantized, compact_weight
 
 _PACK_HINT = 64  # rows the packed layout is tuned for
 _PACKED = (torch.bfloat16, torch.float32)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_meta import AttentionMeta
-from kernels.linear import Linear
+from stallfree.kernels.attention_meta import AttentionMeta
+from stallfree.kernels.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels import cpu_build
+from stallfree.kernels import cpu_build
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_meta import AttentionMeta
-from kernels.linear import Linear
+from stallfree.kernels.attention_meta import AttentionMeta
+from stallfree.kernels.linear import Linear
 
 
 # -- RMSNorm (+ fused residual add) ----------------------------------------------

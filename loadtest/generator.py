@@ -36,9 +36,9 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from core.analysis.traces import TraceRequest, prompt_ids
-from core.model.tokenizer import Tokenizer
-from core.sched.timings import Goodness, percentile
+from stallfree.core.analysis.traces import TraceRequest, prompt_ids
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.timings import Goodness, percentile
 
 WORDS = (
     "the",

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 import httpx
 from tqdm import tqdm
 
-from core.analysis.traces import read_trace, replay
-from core.model.embedded import load_tokenizer
-from core.model.tokenizer import Tokenizer
-from loadtest.generator import (
+from stallfree.core.analysis.traces import read_trace, replay
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.loadtest.generator import (
     Arrival,
     OpenAITarget,
     PromptMaker,

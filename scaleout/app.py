@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from core.analysis.cost_model import CostModel
-from scaleout.board import BOARDS
-from scaleout.replica import EngineReplica
-from scaleout.spec import ReplicaSpec
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.scaleout.board import BOARDS
+from stallfree.scaleout.replica import EngineReplica
+from stallfree.scaleout.spec import ReplicaSpec
 
 APP_NAME = "stallfree"
 
@@ -65,7 +65,7 @@ def deploy(
         graceful_shutdown_timeout_s=5.0,
         ray_actor_options={"num_cpus": 0 if spec.sim else spec.threads, "num_gpus": gpus},
         request_router_config=RequestRouterConfig(  # (Ray's pydantic stubs type every field as a dict)
-            request_router_class="scaleout.request_router.StallfreeRequestRouter",  # type: ignore[arg-type]
+            request_router_class="stallfree.scaleout.request_router.StallfreeRequestRouter",  # type: ignore[arg-type]
             request_router_kwargs={"router": router, "cost": cost, "pool": pool},
             request_routing_stats_period_s=spec.stats_period_s,  # type: ignore[arg-type]
             request_routing_stats_timeout_s=10.0,  # type: ignore[arg-type]

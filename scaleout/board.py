@@ -13,9 +13,9 @@ from typing import Any
 
 from ray.serve.request_router import RunningReplica
 
-from core.cluster.router import Router
-from core.cluster.stats import ReplicaStats
-from core.sched.batch import IterationRecord
+from stallfree.core.cluster.router import Router
+from stallfree.core.cluster.stats import ReplicaStats
+from stallfree.core.sched.batch import IterationRecord
 
 PLACED_KEPT = 65536  # request -> replica entries kept (choices of one prompt must meet on one replica)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from core.sched.request import Chunk, Timeline
+from stallfree.core.sched.request import Chunk, Timeline
 
 
 def wall_offset_ns() -> int:

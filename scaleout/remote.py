@@ -35,13 +35,13 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from core.cluster.stats import ReplicaStats
-from core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput, check_request
-from core.sched.request import FinishReason, Request, RequestStatus
-from gateway.backend import EngineListener
-from scaleout.board import BOARD, PREFILL_BOARD
-from scaleout.clock import shift, wall_offset_ns
-from scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
+from stallfree.core.cluster.stats import ReplicaStats
+from stallfree.core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput, check_request
+from stallfree.core.sched.request import FinishReason, Request, RequestStatus
+from stallfree.gateway.engine.backend import EngineListener
+from stallfree.scaleout.board import BOARD, PREFILL_BOARD
+from stallfree.scaleout.clock import shift, wall_offset_ns
+from stallfree.scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
 
 log = structlog.get_logger(__name__)
 

@@ -33,23 +33,23 @@ from typing import Any
 
 import structlog
 
-from core.cluster.stats import engine_stats
-from core.sched.batch import IterationRecord
-from core.sched.engine import Engine, RequestOutput, StepOutput
-from core.sched.handoff import KvHandoff
-from core.sched.request import Request, SamplingParams, Timeline
-from core.sched.step_loop import StepLoop
-from core.sched.timings import request_timings
-from scaleout.clock import shift, wall_offset_ns
-from scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
-from scaleout.transfer import KvTransport, ObjectStoreTransport
+from stallfree.core.cluster.stats import engine_stats
+from stallfree.core.sched.batch import IterationRecord
+from stallfree.core.sched.engine import Engine, RequestOutput, StepOutput
+from stallfree.core.sched.handoff import KvHandoff
+from stallfree.core.sched.request import Request, SamplingParams, Timeline
+from stallfree.core.sched.step_loop import StepLoop
+from stallfree.core.sched.timings import request_timings
+from stallfree.scaleout.clock import shift, wall_offset_ns
+from stallfree.scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
+from stallfree.scaleout.transfer import KvTransport, ObjectStoreTransport
 
 log = structlog.get_logger(__name__)
 
 
 def replica_tracer() -> Any:
     """A tracer exporting where the gateway's does (the OTEL_* variables), or None."""
-    from gateway.tracing import exporter_from_env
+    from stallfree.gateway.observe.tracing import exporter_from_env
 
     exporter = exporter_from_env()
     if exporter is None:
@@ -66,7 +66,7 @@ def replica_tracer() -> Any:
 
 def build(spec: ReplicaSpec) -> Engine:
     if spec.sim:
-        from core.build import build_sim_engine
+        from stallfree.core.build import build_sim_engine
 
         engine, _ = build_sim_engine(
             spec.scheduler,
@@ -76,7 +76,7 @@ def build(spec: ReplicaSpec) -> Engine:
             read_context=spec.sim_read_context,
         )
         return engine
-    from core.build import ModelSettings, build_engine
+    from stallfree.core.build import ModelSettings, build_engine
 
     settings = ModelSettings(
         spec.model,

@@ -14,17 +14,17 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from core.analysis.cost_model import CostModel
-from core.cluster.router import Prompt, make_router
-from core.cluster.stats import ReplicaStats, prompt_hashes
-from scaleout.board import Board
-from scaleout.spec import Abort, Feed
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.cluster.router import Prompt, make_router
+from stallfree.core.cluster.stats import ReplicaStats, prompt_hashes
+from stallfree.scaleout.board import Board
+from stallfree.scaleout.spec import Abort, Feed
 
 
 def _board(pool: str) -> Board:
     """The gateway process's board, looked up when called: Serve ships this
     class to the handle by value, with its own copy of this module's globals."""
-    from scaleout import board
+    from stallfree.scaleout import board
 
     return board.BOARDS[pool]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.sched.config import SchedulerConfig
-from core.sched.engine import RequestOutput
-from core.sched.request import Request, Timeline
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.engine import RequestOutput
+from stallfree.core.sched.request import Request, Timeline
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from core.model.loader import LoadedModel, load_tiny
+from stallfree.core.model.loader import LoadedModel, load_tiny
 from tests.server import RunningServer, sim_server, tiny_server
 
 

@@ -8,15 +8,15 @@ import time
 import httpx
 import pytest
 
-from core.sched.config import SchedulerConfig
-from gateway.engine_client import EngineClient
-from gateway.server import make_server
-from gateway.settings import GatewaySettings
-from gateway.tracing import Tracing
-from scaleout import app
-from scaleout.board import BOARD, PREFILL_BOARD
-from scaleout.remote import RemoteEngine
-from scaleout.spec import ReplicaSpec
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.observe.tracing import Tracing
+from stallfree.gateway.server import make_server
+from stallfree.gateway.settings import GatewaySettings
+from stallfree.scaleout import app
+from stallfree.scaleout.board import BOARD, PREFILL_BOARD
+from stallfree.scaleout.remote import RemoteEngine
+from stallfree.scaleout.spec import ReplicaSpec
 from tests.otlp import OtlpReceiver
 
 
@@ -26,7 +26,7 @@ class RayCluster:
     replicas too, the 2 others decoding (disaggregated serving)."""
 
     def __init__(self, prefill: int = 0) -> None:
-        from core.build import build_sim_engine
+        from stallfree.core.build import build_sim_engine
 
         self.receiver = OtlpReceiver()
         self.env = pytest.MonkeyPatch()

@@ -7,15 +7,15 @@ import time
 
 import torch
 
-from core.build import build_sim_engine
-from core.model.loader import load_tiny
-from core.model.model_runner import ModelRunner
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.step_loop import StepLoop
-from gateway.engine_client import EngineClient
-from gateway.server import make_server
-from gateway.settings import GatewaySettings
+from stallfree.core.build import build_sim_engine
+from stallfree.core.model.loader import load_tiny
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.step_loop import StepLoop
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.server import make_server
+from stallfree.gateway.settings import GatewaySettings
 
 
 class RunningServer:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import random
 
-from core.analysis.cost_model import CostModel
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.sched.batch import IterationRecord
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.sched.batch import IterationRecord
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import Request, SamplingParams
 
 
 def examples(n: int) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build
+from stallfree.kernels import cpu_build
 from tests.server import sim_server
 
 pytestmark = pytest.mark.slow  # load runs against live servers
@@ -24,7 +24,11 @@ def server():
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cli", "bench", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "stallfree.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
@@ -134,8 +138,8 @@ def test_unreachable_target_is_a_clear_error():
 
 
 def test_prompts_are_unique_across_runs_with_the_same_seed():
-    from core.model.embedded import load_tokenizer
-    from loadtest.generator import PromptMaker
+    from stallfree.core.model.embedded import load_tokenizer
+    from stallfree.loadtest.generator import PromptMaker
 
     tok = load_tokenizer()
     a, b = PromptMaker(tok, seed=0), PromptMaker(tok, seed=0)
@@ -164,7 +168,7 @@ def test_results_go_to_new_dated_files(tmp_path, monkeypatch):
 def test_jobs_past_the_deadline_are_cancelled_and_count_as_errors():
     import asyncio
 
-    from loadtest.generator import Arrival, Result, run_jobs, summarize
+    from stallfree.loadtest.generator import Arrival, Result, run_jobs, summarize
 
     class Slow:
         async def run(self, job, t0):

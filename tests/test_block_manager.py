@@ -2,7 +2,7 @@
 
 import pytest
 
-from core.sched.block_manager import Admitted, BlockManager, Grown
+from stallfree.core.sched.block_manager import Admitted, BlockManager, Grown
 from tests.simkit import request
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from core.analysis.capacity import SLO, Search, Trial, budget_for, search, trial_from
-from core.analysis.cost_model import CostModel
-from core.analysis.simulator import load_trace, report, simulate
-from core.analysis.traces import Replay
-from core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.analysis.capacity import SLO, Search, Trial, budget_for, search, trial_from
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.simulator import load_trace, report, simulate
+from stallfree.core.analysis.traces import Replay
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 
 AZURE = Path(__file__).resolve().parent.parent / "bench" / "traces" / "azure_llm_2023_conv.csv"
 
@@ -105,7 +105,7 @@ def test_the_recipes_budget_is_the_largest_predicted_within_the_slo():
 def cli(*args: str) -> subprocess.CompletedProcess:
     # its own process: the command configures logging for the whole interpreter
     return subprocess.run(
-        [sys.executable, "-m", "cli", *args], capture_output=True, text=True, check=False, timeout=300
+        [sys.executable, "-m", "stallfree.cli", *args], capture_output=True, text=True, check=False, timeout=300
     )
 
 
@@ -133,7 +133,7 @@ def test_simulate_capacity_cli():
 
 def test_every_trial_replays_the_same_requests_sooner_or_later():
     from bench.serving.capacity import TRACE_SPECS
-    from core.analysis.traces import read_trace, replay
+    from stallfree.core.analysis.traces import read_trace, replay
 
     spec = TRACE_SPECS["azure"]
     rows = read_trace(spec.file)
@@ -146,8 +146,8 @@ def test_every_trial_replays_the_same_requests_sooner_or_later():
 @pytest.mark.slow
 def test_on_the_simulated_engine_the_fixed_set_meets_an_slo_up_to_one_rate_and_none_above():
     from bench.serving.capacity import TRACE_SPECS
-    from core.analysis.simulator import trace_arrivals
-    from core.analysis.traces import read_trace, replay
+    from stallfree.core.analysis.simulator import trace_arrivals
+    from stallfree.core.analysis.traces import read_trace, replay
 
     spec = TRACE_SPECS["azure"]
     rows = read_trace(spec.file)

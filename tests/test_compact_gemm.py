@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from core.model.gguf import Q4_1, Q8_0, dequantize
-from core.model.llama import LlamaModel
-from core.model.loader import load_model
-from kernels import cpu_build
-from kernels.compact import Quantized, compact_weight
+from stallfree import kernels
+from stallfree.core.model.gguf import Q4_1, Q8_0, dequantize
+from stallfree.core.model.llama import LlamaModel
+from stallfree.core.model.loader import load_model
+from stallfree.kernels import cpu_build
+from stallfree.kernels.compact import Quantized, compact_weight
 
 GGML = {"Q4_1": Q4_1, "Q8_0": Q8_0}
 

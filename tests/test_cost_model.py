@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
-from core.analysis.profiler import Point, fit
+from stallfree.core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
+from stallfree.core.analysis.profiler import Point, fit
 
 SPEC = ModelSpec("m", 100e6, 4.0, layers=10, heads=8, kv_heads=2, head_dim=64)
 

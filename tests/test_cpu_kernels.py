@@ -14,13 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
 from bench.accuracy.greedy_agreement import greedy
-from core.model.llama import rope_cos_sin
-from core.model.loader import load_model
-from core.model.model_config import ModelConfig
-from core.model.model_runner import ModelRunner
-from kernels import build_attention_meta, cpu_build, reference
+from stallfree import kernels
+from stallfree.core.model.llama import rope_cos_sin
+from stallfree.core.model.loader import load_model
+from stallfree.core.model.model_config import ModelConfig
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.kernels import build_attention_meta, cpu_build, reference
 
 CPU = torch.device("cpu")
 NO_INT8 = "ATen offers no int8 brgemm here (it does with AMX-INT8 only)"
@@ -32,7 +32,7 @@ def ops():
     status = cpu_build.status()
     assert shutil.which("c++"), "no C++ compiler: the project's set-up installs gcc"
     assert status.backend == "native", f"the CPU kernels did not build: {status}"
-    from kernels import cpu_ops
+    from stallfree.kernels import cpu_ops
 
     return cpu_ops
 
@@ -202,7 +202,7 @@ def test_a_forced_isa_must_be_one_this_cpu_runs(monkeypatch):
 def test_the_default_dtype_follows_the_kind_a_forced_isa_names(monkeypatch):
     """--dtype auto is bf16 on the kinds with bf16 arithmetic only, so an
     emulated AVX2 machine runs float32 as a real one would."""
-    from core.model.model_runner import resolve_dtype
+    from stallfree.core.model.model_runner import resolve_dtype
 
     monkeypatch.setenv("STALLFREE_CPU_ISA", "avx2")
     assert cpu_build.kind() == "avx2" and resolve_dtype("auto", CPU) == torch.float32
@@ -263,7 +263,7 @@ def test_the_roofline_probe_gives_sane_figures(ops):
     """Positive and under what any CPU core could do (6 GHz, two 512-bit FMA
     ports, AMX's 1,024 bf16 MACs a cycle). No relation between two rates is
     asserted: the tests share the cores, so one probe may run slowed."""
-    from kernels import roofline
+    from stallfree.kernels import roofline
 
     ghz = 6e9
     r = roofline.measure(seconds=0.02, runs=1)

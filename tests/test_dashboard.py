@@ -12,7 +12,7 @@ import pytest
 from playwright.async_api import async_playwright
 from websockets.asyncio.client import connect
 
-from gateway.settings import GatewaySettings
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 
 pytestmark = pytest.mark.slow  # a browser

@@ -9,8 +9,8 @@ import sys
 import orjson
 import pytest
 
-from core.analysis.cost_model import CostModel
-from core.analysis.disagg_plan import Link, colocated, compare, disaggregated, md1_wait_s
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.disagg_plan import Link, colocated, compare, disaggregated, md1_wait_s
 
 COST = CostModel()  # the article's 8B model (131,072 KV bytes a token) on its 400 TFLOP/s, 3 TB/s GPU
 IDLE = 1e-9  # prompts/s: no queueing
@@ -61,7 +61,7 @@ def test_plan_disaggregate_command_json_and_errors():
         [
             sys.executable,
             "-m",
-            "cli",
+            "stallfree.cli",
             "plan",
             "--disaggregate",
             "2:2",
@@ -79,5 +79,7 @@ def test_plan_disaggregate_command_json_and_errors():
     doc = orjson.loads(out)
     assert (doc["prefill_workers"], doc["decode_workers"], doc["link_gbps"]) == (2, 2, 200)
     assert doc["rows"][0]["disaggregated"]["transfer_ms"] == pytest.approx(4096 * 131072 * 8 / 200e9 * 1e3)
-    bad = subprocess.run([sys.executable, "-m", "cli", "plan", "--disaggregate", "0:2"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "stallfree.cli", "plan", "--disaggregate", "0:2"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "P and D must be >= 1" in bad.stderr

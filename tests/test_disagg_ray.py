@@ -16,13 +16,13 @@ from openai import OpenAI
 from websockets.asyncio.client import connect
 
 from bench.servers import StallfreeServer
-from core.build import build_sim_engine
-from core.cluster.stats import prompt_hashes
-from core.sched.config import SchedulerConfig
-from core.sched.request import FinishReason, Request, SamplingParams, Timeline
-from scaleout.board import BOARD, PREFILL_BOARD
-from scaleout.remote import RemoteEngine
-from scaleout.spec import Handoff, Job, ReplicaSpec
+from stallfree.core.build import build_sim_engine
+from stallfree.core.cluster.stats import prompt_hashes
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.request import FinishReason, Request, SamplingParams, Timeline
+from stallfree.scaleout.board import BOARD, PREFILL_BOARD
+from stallfree.scaleout.remote import RemoteEngine
+from stallfree.scaleout.spec import Handoff, Job, ReplicaSpec
 from tests.otlp import TRACE_ID, attrs
 from tests.ray_cluster import RayCluster
 from tests.wsclient import check_stream, collect, recv, send

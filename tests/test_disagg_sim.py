@@ -8,16 +8,16 @@ import sys
 import orjson
 import pytest
 
-from core.analysis.cost_model import CostModel
-from core.analysis.disagg_plan import Link
-from core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.analysis.simulator import scenario
-from core.cluster.stats import prompt_hashes
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.handoff import KvHandoff
-from core.sched.request import Request, RequestStatus, SamplingParams
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.disagg_plan import Link
+from stallfree.core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.analysis.simulator import scenario
+from stallfree.core.cluster.stats import prompt_hashes
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.handoff import KvHandoff
+from stallfree.core.sched.request import Request, RequestStatus, SamplingParams
 
 BS = 16
 
@@ -80,7 +80,17 @@ def test_disaggregated_serving_has_no_stall_and_pays_the_transfer():
 
 def test_simulate_disaggregate_command():
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "simulate", "--scenario", "seed-figure3", "--disaggregate", "1:2", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "stallfree.cli",
+            "simulate",
+            "--scenario",
+            "seed-figure3",
+            "--disaggregate",
+            "1:2",
+            "--json",
+        ],
         check=True,
         capture_output=True,
     ).stdout
@@ -129,8 +139,8 @@ def test_transferred_kv_gives_the_tokens_colocated_serving_gives():
 def test_transferred_kv_gives_the_real_models_greedy_tokens():
     import torch
 
-    from core.model.loader import load_tiny
-    from core.model.model_runner import ModelRunner
+    from stallfree.core.model.loader import load_tiny
+    from stallfree.core.model.model_runner import ModelRunner
 
     loaded = load_tiny()
 

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import cpu_build
-from kernels.linear import dot_available
+from stallfree import kernels
+from stallfree.kernels import cpu_build
+from stallfree.kernels.linear import dot_available
 
 needs_dot = pytest.mark.skipif(
     cpu_build.detect_isa() != "avx512-bf16", reason="this CPU has no AVX512-BF16 (the kernel cannot execute here)"
@@ -91,8 +91,8 @@ def test_bf16_layers_take_the_dot_kernel_where_it_runs():
 
 def test_the_start_up_log_names_the_kind_and_each_ops_path(tiny_model):
     """``stallfree serve`` logs these facts at start-up (``engine_started``)."""
-    from cli.serve import runner_facts
-    from core.model.model_runner import ModelRunner
+    from stallfree.cli.serve import runner_facts
+    from stallfree.core.model.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model, 64, 16, torch.bfloat16, torch.device("cpu"))
     paths = runner_facts(runner)["kernel_paths"]

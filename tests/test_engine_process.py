@@ -19,14 +19,14 @@ import pytest
 from websockets.asyncio.client import connect
 
 from bench.servers import StallfreeServer
-from core.analysis.cost_model import CostModel, HardwareSpec
-from core.analysis.sim_runner import SimRunner
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine, RequestRejected, StepOutput
-from core.sched.engine_process import BuiltEngine
-from core.sched.request import FinishReason
-from core.sched.step_loop import EngineStopped
-from gateway.engine_process import EngineProcess, EngineStartFailed
+from stallfree.core.analysis.cost_model import CostModel, HardwareSpec
+from stallfree.core.analysis.sim_runner import SimRunner
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine, RequestRejected, StepOutput
+from stallfree.core.sched.engine_process import BuiltEngine
+from stallfree.core.sched.request import FinishReason
+from stallfree.core.sched.step_loop import EngineStopped
+from stallfree.gateway.engine.process import EngineProcess, EngineStartFailed
 from tests.simkit import request
 from tests.wsclient import collect, send
 
@@ -192,7 +192,7 @@ def test_a_factory_that_fails_is_reported_at_start():
 
 _ORPHAN = """
 import sys, time
-from gateway.engine_process import EngineProcess
+from stallfree.gateway.engine.process import EngineProcess
 from tests.test_engine_process import fast_engine
 p = EngineProcess(fast_engine)
 print(p.process.pid, flush=True)

@@ -16,9 +16,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from bench.servers import StallfreeServer
-from core import faults
-from core.sched.engine import Engine
-from gateway.settings import GatewaySettings
+from stallfree.core import faults
+from stallfree.core.sched.engine import Engine
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.wsclient import collect, recv, send
 

@@ -59,8 +59,10 @@ def test_the_image_copies_every_package_and_can_build_the_kernels():
     dockerfile = (ROOT / "Dockerfile").read_text()
     copied = copied_paths(dockerfile)
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = [p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]]
-    entry = config["project"]["scripts"]["stallfree"].split(":")[0]
+    # the wheel's one root and the folders it links (stallfree/cli -> ../cli, ...)
+    (root,) = (p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"])
+    packages = [root, *sorted(p.name for p in (ROOT / root).iterdir() if p.is_symlink())]
+    entry = config["project"]["scripts"]["stallfree"].split(":")[0].removeprefix(root + ".").split(".")[0]
     assert entry in packages
     assert set(packages) | {"web", "pyproject.toml", "README.md"} <= set(copied), copied
     assert re.search(r"apt-get install[^\n]*\bg\+\+", dockerfile), "the CPU kernels need a C++ compiler"
@@ -84,7 +86,7 @@ def test_the_image_file_set_starts_a_server(tmp_path):
     for path in copied_paths((ROOT / "Dockerfile").read_text()):
         source = ROOT / path
         if source.is_dir():
-            shutil.copytree(source, tmp_path / path, ignore=dockerignored)
+            shutil.copytree(source, tmp_path / path, ignore=dockerignored, symlinks=True)
         else:
             shutil.copy(source, tmp_path / path)
     assert not (tmp_path / "bench" / "peers").exists()
@@ -95,7 +97,7 @@ def test_the_image_file_set_starts_a_server(tmp_path):
         assert httpx.get(server.url + "/", timeout=10).status_code == 200  # the dashboard, from web/
     finally:
         server.stop()
-    where = "import cli, core, gateway, kernels; print(cli.__file__, core.__file__, gateway.__file__, kernels.__file__)"
+    where = "from stallfree import cli, core, gateway, kernels; print(cli.__file__, core.__file__, gateway.__file__, kernels.__file__)"
     files = subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, cwd=tmp_path).stdout.split()
     assert len(files) == 4 and all(f.startswith(str(tmp_path)) for f in files), files  # not this checkout's
 
@@ -110,7 +112,7 @@ def test_the_image_file_set_starts_a_server(tmp_path):
 )
 def test_replicas_refuse_what_they_cannot_serve(flags, why):
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "serve", "--sim", "--replicas", "2", *flags],
+        [sys.executable, "-m", "stallfree.cli", "serve", "--sim", "--replicas", "2", *flags],
         capture_output=True,
         text=True,
         timeout=120,

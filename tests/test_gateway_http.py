@@ -12,7 +12,7 @@ import pytest
 from openai import APITimeoutError, AsyncOpenAI, BadRequestError, OpenAI
 from websockets.asyncio.client import connect
 
-from gateway.settings import GatewaySettings
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 
 

@@ -14,8 +14,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.protocol import Protocol, Side, State
 
 from bench.servers import StallfreeServer
-from gateway.server import text_frame_header
-from gateway.settings import GatewaySettings
+from stallfree.gateway.server import text_frame_header
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server, tiny_server
 from tests.wsclient import check_stream, collect, recv, send
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.model.gguf import Q4_0, Q4_1, Q8_0, GGUFError, GGUFFile, dequantize
-from core.model.loader import ModelLoadError, _unpermute, embedded_model_path, load_model
+from stallfree.core.model.gguf import Q4_0, Q4_1, Q8_0, GGUFError, GGUFFile, dequantize
+from stallfree.core.model.loader import ModelLoadError, _unpermute, embedded_model_path, load_model
 
 
 def f16(x: float) -> bytes:

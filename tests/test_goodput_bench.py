@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 
-from core.analysis.capacity import SLO, Goodput, Search, Trial, search, trial_from
-from loadtest.generator import Arrival, OpenAITarget, Result, summarize
-from loadtest.report import _extras
+from stallfree.core.analysis.capacity import SLO, Goodput, Search, Trial, search, trial_from
+from stallfree.loadtest.generator import Arrival, OpenAITarget, Result, summarize
+from stallfree.loadtest.report import _extras
 
 
 def result(sent_s: float, first_s: float, gaps_ms: list[float], **kw: Any) -> Result:

@@ -11,11 +11,11 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from core.sched.request import FinishReason, Request, RequestStatus, SamplingParams
-from gateway.metrics import Metrics
-from gateway.observers import RequestLog
-from gateway.telemetry import GOOD_WINDOW, Telemetry
-from gateway.tracing import Tracing
+from stallfree.core.sched.request import FinishReason, Request, RequestStatus, SamplingParams
+from stallfree.gateway.observe.metrics import Metrics
+from stallfree.gateway.observe.observers import RequestLog
+from stallfree.gateway.observe.telemetry import GOOD_WINDOW, Telemetry
+from stallfree.gateway.observe.tracing import Tracing
 
 MS = 1_000_000
 TTFT_SLO_MS, TBT_SLO_MS = 500.0, 50.0

@@ -17,8 +17,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from core.sched.config import RANGES
-from gateway.settings import GatewaySettings
+from stallfree.core.sched.config import RANGES
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.wsclient import collect, recv, send
 

@@ -16,10 +16,10 @@ from websockets.asyncio.client import connect
 
 from bench.gateway.hostile_load import phase, rss_mb
 from bench.servers import StallfreeServer
-from gateway.connections import raise_file_limit
-from gateway.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
-from gateway.ratelimit import TokenRateLimit
-from gateway.settings import GatewaySettings
+from stallfree.gateway.edge.connections import raise_file_limit
+from stallfree.gateway.edge.ratelimit import TokenRateLimit
+from stallfree.gateway.inputs.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.wsclient import recv, send
 

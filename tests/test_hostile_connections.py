@@ -15,8 +15,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.frames import Frame, Opcode
 
-from gateway.connections import MAX_PIPELINED
-from gateway.settings import GatewaySettings
+from stallfree.gateway.edge.connections import MAX_PIPELINED
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.wsclient import recv, send
 
@@ -268,7 +268,7 @@ def test_a_warning_a_client_can_cause_is_logged_a_few_times_per_window(server):
     REPEATS_PER_WINDOW per minute, and the next one says how many were dropped."""
     import logging
 
-    from gateway.logs import REPEATS_PER_WINDOW
+    from stallfree.gateway.observe.logs import REPEATS_PER_WINDOW
 
     lines: list[str] = []
 
@@ -292,7 +292,7 @@ def test_a_warning_a_client_can_cause_is_logged_a_few_times_per_window(server):
 
 
 def test_the_repeat_limit_reports_what_it_dropped():
-    from gateway.logs import RepeatLimit
+    from stallfree.gateway.observe.logs import RepeatLimit
 
     now = [0.0]
     limit = RepeatLimit(burst=3, window_s=10.0, clock=lambda: now[0])

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import Linear
+from stallfree.kernels import Linear
 
 
 @pytest.mark.parametrize("rows", [1, 8, 300])

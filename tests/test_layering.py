@@ -1,4 +1,10 @@
-"""The layering rules of DESIGN.md, checked in fresh interpreters.
+"""Who may import whom, checked in fresh interpreters.
+
+The rules: ``kernels`` imports only torch and triton; ``core`` may import
+``kernels``, but ``core.sched``, ``core.analysis`` and ``core.cluster`` import
+no torch; ``gateway`` may import ``core``; nothing imports ``gateway`` but
+``cli`` and ``scaleout``; ``stallfree plan`` and ``simulate`` run without torch.
+Modules are named here without their ``stallfree.`` root.
 
 Each check imports a module in a new subprocess with an import hook that
 records which of our modules first pulled in a forbidden package, so a
@@ -26,17 +32,19 @@ import importlib, inspect, sys
 forbidden, targets, argv = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3:]
 culprits = {}
 current = None
+def short(name):
+    return name.removeprefix("stallfree.")
 class Watch:
     def find_spec(self, name, path=None, target_=None):
-        top = name.split(".")[0]
+        top = short(name).split(".")[0]
         if top in forbidden and top not in culprits:
-            ours = [f.frame.f_globals.get("__name__", "") for f in inspect.stack()]
+            ours = [short(f.frame.f_globals.get("__name__", "")) for f in inspect.stack()]
             ours = [m for m in ours if m.split(".")[0] in ("core", "gateway", "kernels", "cli", "bench")]
             culprits[top] = (current, ours[0] if ours else "?")
         return None
 sys.meta_path.insert(0, Watch())
 for current in targets:
-    module = importlib.import_module(current)
+    module = importlib.import_module("stallfree." + current)
 if argv:
     assert module.main(argv) == 0
 for name, (target, who) in sorted(culprits.items()):
@@ -101,7 +109,7 @@ def test_scaleout_imports_no_torch_until_a_replica_builds_its_engine():
 
 def test_gateway_app_imports_no_torch():
     """Nor does the gateway's process when the engine runs in its own: it loads the tokenizer alone."""
-    targets = ["gateway.app", "gateway.engine_client", "gateway.engine_process", "core.model.embedded", "cli.serve"]
+    targets = ["gateway.app", "gateway.engine.client", "gateway.engine.process", "core.model.embedded", "cli.serve"]
     assert violations(targets, ("torch", "kernels")) == []
 
 
@@ -119,7 +127,7 @@ def test_core_imports_no_gateway_and_no_event_loop():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
-            for name in names:
+            for name in (n.removeprefix("stallfree.") for n in names):
                 assert name.split(".")[0] not in ("asyncio", "anyio", "gateway", "cli"), f"{path}: imports {name}"
     assert violations("core.build", ("gateway", "cli")) == []
 
@@ -127,8 +135,9 @@ def test_core_imports_no_gateway_and_no_event_loop():
 def test_the_check_catches_torch_added_to_the_scheduler(tmp_path: Path):
     """What a maintainer adding ``import torch`` to the scheduler would see."""
     for package in ("core", "kernels"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    scheduler = tmp_path / "core" / "sched" / "scheduler.py"
+        shutil.copytree(ROOT / package, tmp_path / "stallfree" / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "stallfree" / "__init__.py", tmp_path / "stallfree")
+    scheduler = tmp_path / "stallfree" / "core" / "sched" / "scheduler.py"
     scheduler.write_text(
         scheduler.read_text().replace("from collections import", "import torch\nfrom collections import")
     )
@@ -136,7 +145,7 @@ def test_the_check_catches_torch_added_to_the_scheduler(tmp_path: Path):
     assert found == ["core.sched.engine -> torch (imported by core.sched.scheduler)"]
 
 
-# DESIGN.md: "the scheduler alone changes a request's progress" (as in vLLM v1).
+# The scheduler alone changes a request's progress (as in vLLM v1).
 PROGRESS = {"num_computed_tokens", "status", "finish_reason", "output_token_ids"}
 PROGRESS_WRITERS = {
     "core/sched/scheduler.py": "the scheduler",
@@ -186,3 +195,38 @@ def test_the_progress_check_catches_a_runner_that_advances_a_request(tmp_path: P
     runner.parent.mkdir(parents=True)
     runner.write_text("def execute(item):\n    item.request.num_computed_tokens += item.num_tokens\n")
     assert progress_writes(tmp_path, ("core",)) == ["core/model/runner.py:2"]
+
+
+def short_imports(root: Path, folders: tuple[str, ...]) -> list[str]:
+    """file:line of every import of ours by a name outside the ``stallfree`` root
+    (``import kernels``, ``from core.sched ...``): in a checkout it would load the
+    module a second time under another name; installed, it would find another
+    distribution's package of that name."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                if any(name.split(".")[0] in ROOTED for name in names):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+ROOTED = ("cli", "core", "gateway", "kernels", "loadtest", "scaleout")
+
+
+def test_everything_imports_the_product_by_its_one_root():
+    assert sorted(p.name for p in (ROOT / "stallfree").iterdir() if p.is_symlink()) == sorted(ROOTED)
+    benchmarks = tuple(f"bench/{p.name}" for p in (ROOT / "bench").iterdir() if (p / "__init__.py").exists())
+    assert short_imports(ROOT, (*ROOTED, "tests", *benchmarks)) == []
+
+
+def test_the_root_check_catches_a_short_import(tmp_path: Path):
+    module = tmp_path / "gateway" / "app.py"
+    module.parent.mkdir()
+    module.write_text("from stallfree.core import faults\nimport kernels\n")
+    assert short_imports(tmp_path, ("gateway",)) == ["gateway/app.py:2"]

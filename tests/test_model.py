@@ -9,17 +9,17 @@ import llguidance
 import pytest
 import torch
 
-from core.analysis.profiler import choose_budget, compute_label, profile_runner
-from core.build import ModelSettings, load_runner
-from core.model.export import export_hf_dir
-from core.model.loader import ModelLoadError, load_model
-from core.model.model_runner import ModelRunner, kv_blocks_for
-from core.sched.batch import Batch, Item
-from core.sched.block_manager import BlockManager
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine, RequestRejected
-from core.sched.request import Request, SamplingParams
-from kernels import build_attention_meta, cpu_build, paged_attention, write_kv
+from stallfree.core.analysis.profiler import choose_budget, compute_label, profile_runner
+from stallfree.core.build import ModelSettings, load_runner
+from stallfree.core.model.export import export_hf_dir
+from stallfree.core.model.loader import ModelLoadError, load_model
+from stallfree.core.model.model_runner import ModelRunner, kv_blocks_for
+from stallfree.core.sched.batch import Batch, Item
+from stallfree.core.sched.block_manager import BlockManager
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine, RequestRejected
+from stallfree.core.sched.request import Request, SamplingParams
+from stallfree.kernels import build_attention_meta, cpu_build, paged_attention, write_kv
 from tests.simkit import request, run_to_completion, tokens
 
 CPU = torch.device("cpu")
@@ -263,7 +263,7 @@ def test_real_model_answers_paris(env, options):
     """
     question = "What is the capital of France?"
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "generate", question, "--max-tokens", "24", *options],
+        [sys.executable, "-m", "stallfree.cli", "generate", question, "--max-tokens", "24", *options],
         env={**os.environ, **env},
         capture_output=True,
         text=True,

@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 from websockets.asyncio.client import connect
 
-from core.build import build_sim_engine
-from core.sched.config import SchedulerConfig
-from gateway.observers import Observer
-from gateway.settings import GatewaySettings
-from gateway.tracing import Tracing
+from stallfree.core.build import build_sim_engine
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.gateway.observe.observers import Observer
+from stallfree.gateway.observe.tracing import Tracing
+from stallfree.gateway.settings import GatewaySettings
 from tests.otlp import TRACE_ID, OtlpReceiver, attrs
 from tests.server import RunningServer
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from gateway.openai_fields import CHAT, COMPLETIONS, IMPLEMENTED
+from stallfree.gateway.openai.fields import CHAT, COMPLETIONS, IMPLEMENTED
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 

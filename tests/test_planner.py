@@ -2,8 +2,8 @@
 
 import pytest
 
-from core.analysis.cost_model import CostModel
-from core.analysis.planner import plan
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.planner import plan
 
 # The article's figures (chunked-prefill-article.txt, "Worked Example").
 ARTICLE = {

@@ -8,15 +8,15 @@ import sys
 import orjson
 import pytest
 
-from core.analysis.chat_workload import ChatWorkload
-from core.analysis.cluster_sim import cluster_report, simulate_cluster
-from core.analysis.cost_model import CostModel
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.cluster.router import CostAware, Prompt, make_router
-from core.cluster.stats import ReplicaStats, engine_stats, prompt_hashes
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
+from stallfree.core.analysis.chat_workload import ChatWorkload
+from stallfree.core.analysis.cluster_sim import cluster_report, simulate_cluster
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.cluster.router import CostAware, Prompt, make_router
+from stallfree.core.cluster.stats import ReplicaStats, engine_stats, prompt_hashes
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import Request, SamplingParams
 
 BS = 16
 
@@ -153,7 +153,7 @@ def test_simulate_replicas_command_prints_one_row_per_router() -> None:
         [
             sys.executable,
             "-m",
-            "cli",
+            "stallfree.cli",
             "simulate",
             "--replicas",
             "2",
@@ -174,6 +174,8 @@ def test_simulate_replicas_command_prints_one_row_per_router() -> None:
     assert [r["router"] for r in doc["routers"]] == ["cost", "round_robin"]
     assert all(r["requests"] == 16 for r in doc["routers"])
     bad = subprocess.run(
-        [sys.executable, "-m", "cli", "simulate", "--replicas", "2", "--router", "nope"], capture_output=True, text=True
+        [sys.executable, "-m", "stallfree.cli", "simulate", "--replicas", "2", "--router", "nope"],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode != 0 and "unknown router 'nope'" in bad.stderr

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from core.model.sampler import sample
-from core.sched.request import SamplingParams
+from stallfree.core.model.sampler import sample
+from stallfree.core.sched.request import SamplingParams
 
 
 def test_greedy_and_mixed_batch():
@@ -47,7 +47,7 @@ def test_top_k_beyond_the_vocabulary_spares_the_rest_of_the_batch():
 
 
 def _req(rid, prompt, output, **sampling):
-    from core.sched.request import Request
+    from stallfree.core.sched.request import Request
 
     r = Request(rid, list(prompt), SamplingParams(**sampling), 0)
     r.output_token_ids = list(output)
@@ -69,7 +69,7 @@ def _reference_penalties(logits, req):
 
 
 def test_batched_penalties_and_bias_match_the_per_request_definition():
-    from core.model.sampler import Sampler, bias_logits, penalize
+    from stallfree.core.model.sampler import Sampler, bias_logits, penalize
 
     torch.manual_seed(0)
     vocab = 50
@@ -91,7 +91,7 @@ def test_batched_penalties_and_bias_match_the_per_request_definition():
 
 
 def test_counts_follow_sampled_tokens_and_rebuild_after_preemption():
-    from core.model.sampler import Sampler
+    from stallfree.core.model.sampler import Sampler
 
     vocab = 20
     sampler = Sampler(vocab, torch.device("cpu"))
@@ -112,7 +112,7 @@ def test_counts_follow_sampled_tokens_and_rebuild_after_preemption():
 
 
 def test_rows_are_reused_and_grown_for_big_batches():
-    from core.model.token_counts import TokenCounts
+    from stallfree.core.model.token_counts import TokenCounts
 
     counts = TokenCounts(10, torch.device("cpu"), capacity=2)
     reqs = [_req(f"r{i}", [i], [i], presence_penalty=1.0) for i in range(5)]
@@ -127,7 +127,7 @@ def test_rows_are_reused_and_grown_for_big_batches():
 
 
 def test_logit_bias_forces_and_bans_tokens():
-    from core.model.sampler import Sampler
+    from stallfree.core.model.sampler import Sampler
 
     sampler = Sampler(10, torch.device("cpu"))
     logits = torch.zeros(2, 10)
@@ -156,7 +156,7 @@ def test_min_p_drops_unlikely_tokens():
 )
 def test_drawing_among_candidates_matches_the_whole_vocabulary(monkeypatch, params):
     """Small candidate lists force both paths; each must draw from the same distribution."""
-    import core.model.sampler as sampler
+    import stallfree.core.model.sampler as sampler
 
     torch.manual_seed(1)
     vocab, draws = 64, 20000
@@ -170,7 +170,7 @@ def test_drawing_among_candidates_matches_the_whole_vocabulary(monkeypatch, para
 
 
 def test_cuts_inside_the_candidates_never_sort_the_whole_vocabulary(monkeypatch):
-    import core.model.sampler as sampler
+    import stallfree.core.model.sampler as sampler
 
     def whole(*args):
         raise AssertionError("sorted the whole vocabulary")

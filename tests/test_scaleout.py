@@ -16,11 +16,11 @@ from openai import OpenAI
 from websockets.asyncio.client import connect
 
 from bench.servers import StallfreeServer
-from gateway.engine_client import EngineClient
-from gateway.server import make_server
-from gateway.settings import GatewaySettings
-from scaleout.board import BOARD
-from scaleout.remote import RemoteEngine
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.server import make_server
+from stallfree.gateway.settings import GatewaySettings
+from stallfree.scaleout.board import BOARD
+from stallfree.scaleout.remote import RemoteEngine
 from tests.otlp import TRACE_ID, attrs
 from tests.ray_cluster import RayCluster
 from tests.wsclient import check_stream, collect, recv, send
@@ -273,9 +273,9 @@ async def test_a_second_gateway_with_api_keys_shares_the_replicas(cluster):
 
 def test_a_replica_builds_its_model_with_the_serve_flags():
     """--compute and --kv-dtype reach each replica's engine, not only a local one."""
-    from core.sched.config import SchedulerConfig
-    from scaleout.replica import build
-    from scaleout.spec import ReplicaSpec
+    from stallfree.core.sched.config import SchedulerConfig
+    from stallfree.scaleout.replica import build
+    from stallfree.scaleout.spec import ReplicaSpec
 
     engine = build(ReplicaSpec(SchedulerConfig(), model="tiny", dtype="fp32", kv_dtype="bf16", kv_cache_gib=0.01))
     assert engine.runner.k_cache.dtype == engine.runner.v_cache.dtype == torch.bfloat16

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
-from core.sched.config import SchedulerConfig
-from core.sched.request import RequestStatus
+from stallfree.core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.request import RequestStatus
 from tests.simkit import request, run_to_completion, sim_engine
 from tests.simkit import step_items as run_step
 

@@ -32,10 +32,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
-from core.sched.config import CHUNKING_MODES, POLICIES
-from core.sched.engine import RequestRejected
-from core.sched.request import FinishReason, RequestStatus
+from stallfree.core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
+from stallfree.core.sched.config import CHUNKING_MODES, POLICIES
+from stallfree.core.sched.engine import RequestRejected
+from stallfree.core.sched.request import FinishReason, RequestStatus
 from tests.simkit import examples, request, sim_engine, tokens
 
 PREFIXES = {name: tokens(("prefix", name), 24) for name in ("sys-a", "sys-b")}

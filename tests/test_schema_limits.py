@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.finite_schema import MAX_SCHEMA_NODES, has_finite_instance
-from gateway.protocol import parse_off_loop
+from stallfree.gateway.inputs.finite_schema import MAX_SCHEMA_NODES, has_finite_instance
+from stallfree.gateway.inputs.protocol import parse_off_loop
 from tests.server import sim_server
 
 NAMES = ["a", "b", "c", "d"]

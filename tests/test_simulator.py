@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from cli import main
-from core.analysis.cost_model import CostModel
-from core.analysis.simulator import load_trace, report, scenario, simulate
-from core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.cli import main
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.simulator import load_trace, report, scenario, simulate
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 
 
 def run_scenario(name, **overrides):
@@ -79,7 +79,7 @@ def test_bad_trace_names_the_line(tmp_path):
 
 def cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "cli", *args], capture_output=True, text=True, check=False, timeout=120
+        [sys.executable, "-m", "stallfree.cli", *args], capture_output=True, text=True, check=False, timeout=120
     )
 
 

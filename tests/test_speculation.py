@@ -12,14 +12,14 @@ import llguidance
 import pytest
 import torch
 
-from core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.model.model_runner import ModelRunner
-from core.model.sampler import Sampler
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.drafts import NgramDrafter, expected_accepted, verified
-from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
+from stallfree.core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.core.model.sampler import Sampler
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.drafts import NgramDrafter, expected_accepted, verified
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import Request, SamplingParams
 from tests.simkit import request, run_to_completion
 
 CPU = torch.device("cpu")
@@ -156,7 +156,7 @@ def test_grammar_constrained_output_stays_valid_and_greedy_with_drafts(tiny_mode
 
 def sim_with(cost: CostModel, streams: int, acceptance: float) -> Engine:
     """``streams`` decodes that always propose drafts on a simulated model that keeps each with ``acceptance``."""
-    from core.analysis.sim_runner import SimDrafter
+    from stallfree.core.analysis.sim_runner import SimDrafter
 
     clock = VirtualClock()
     runner = SimRunner(cost, 16, clock, acceptance=acceptance)
@@ -194,7 +194,7 @@ def test_drafts_pay_on_the_articles_gpu_at_32_streams():
 
 def test_drafts_take_only_what_decodes_and_chunks_leave():
     """A long prompt's chunk keeps its size when drafts are on; the decodes keep their token."""
-    from core.analysis.sim_runner import SimDrafter
+    from stallfree.core.analysis.sim_runner import SimDrafter
 
     def first_mixed(speculate: str) -> tuple[int, int, int]:
         clock = VirtualClock()
@@ -218,7 +218,7 @@ def test_drafts_take_only_what_decodes_and_chunks_leave():
 
 
 def test_an_opted_out_or_penalized_request_never_gets_drafts():
-    from core.analysis.sim_runner import SimDrafter
+    from stallfree.core.analysis.sim_runner import SimDrafter
 
     clock = VirtualClock()
     runner = SimRunner(CostModel(), 16, clock, acceptance=1.0)
@@ -277,7 +277,7 @@ def test_usage_metrics_and_the_opt_out_over_both_protocols():
 
 
 def test_simulate_models_an_acceptance_rate(capsys):
-    from cli import main
+    from stallfree.cli import main
 
     assert main(["simulate", "--scenario", "burst", "--json"]) == 0
     off = json.loads(capsys.readouterr().out)["summary"]
@@ -291,8 +291,8 @@ def test_simulate_models_an_acceptance_rate(capsys):
 
 
 def test_a_stop_token_among_kept_drafts_ends_the_request_there():
-    from core.analysis.sim_runner import DRAFT_TOKEN, SimDrafter
-    from core.sched.request import FinishReason
+    from stallfree.core.analysis.sim_runner import DRAFT_TOKEN, SimDrafter
+    from stallfree.core.sched.request import FinishReason
 
     clock = VirtualClock()
     runner = SimRunner(CostModel(), 16, clock, acceptance=1.0)  # every draft kept

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.analysis.cost_model import ARTICLE_GPU, CostModel
-from core.analysis.sim_runner import SimRunner
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine, RequestRejected
-from core.sched.step_loop import EngineStopped, StepLoop
+from stallfree.core.analysis.cost_model import ARTICLE_GPU, CostModel
+from stallfree.core.analysis.sim_runner import SimRunner
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine, RequestRejected
+from stallfree.core.sched.step_loop import EngineStopped, StepLoop
 from tests.simkit import request
 
 

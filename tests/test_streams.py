@@ -11,9 +11,9 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from core.sched.request import FinishReason
-from gateway.streams import Delta, RequestStream
-from gateway.telemetry import MAX_SERIES
+from stallfree.core.sched.request import FinishReason
+from stallfree.gateway.engine.streams import Delta, RequestStream
+from stallfree.gateway.observe.telemetry import MAX_SERIES
 from tests.server import sim_server
 from tests.wsclient import collect, recv, send
 

@@ -113,11 +113,11 @@ def test_a_matcher_compiles_in_a_worker_thread_while_the_first_chunk_runs(monkey
 
     import torch
 
-    from core.model import grammar as grammar_module
-    from core.model.loader import load_tiny
-    from core.model.sampler import Sampler
-    from core.sched.request import Request, SamplingParams
-    from gateway.structured import grammar_of
+    from stallfree.core.model import grammar as grammar_module
+    from stallfree.core.model.loader import load_tiny
+    from stallfree.core.model.sampler import Sampler
+    from stallfree.core.sched.request import Request, SamplingParams
+    from stallfree.gateway.inputs.structured import grammar_of
 
     compiled_on: list[str] = []
     compile_matcher = grammar_module._compile

@@ -13,13 +13,13 @@ import math
 
 import pytest
 
-from core.analysis.cost_model import CostModel
-from core.analysis.online_cost import OnlineCost
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.request import RequestStatus
-from core.sched.timings import weighted_percentile
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.online_cost import OnlineCost
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import RequestStatus
+from stallfree.core.sched.timings import weighted_percentile
 from tests.simkit import request, run_to_completion
 from tests.simkit import step_items as step
 

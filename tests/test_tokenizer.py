@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.model.detokenizer import Detokenizer
-from core.model.export import export_hf_dir
-from core.model.tokenizer import Tokenizer, _pieces
+from stallfree.core.model.detokenizer import Detokenizer
+from stallfree.core.model.export import export_hf_dir
+from stallfree.core.model.tokenizer import Tokenizer, _pieces
 
 TEXTS = ["What is the capital of France?", "x = 12345 + 6.7", "Héllo wörld 你好 🎉\n\ttabs", "  spaces  "]
 
@@ -98,7 +98,7 @@ def test_a_long_encode_gives_its_memory_back():
     script = """
 import threading
 from pathlib import Path
-from core.model.loader import load_tiny
+from stallfree.core.model.loader import load_tiny
 tok = load_tiny().tokenizer
 def rss():
     lines = Path("/proc/self/status").read_text().splitlines()

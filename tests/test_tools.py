@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from gateway.tools import Tools, may_start_call, read_calls, template_messages
+from stallfree.gateway.inputs.tools import Tools, may_start_call, read_calls, template_messages
 
 WEATHER = {
     "type": "function",
@@ -138,7 +138,7 @@ def test_templates_without_tools_get_the_hermes_system_section():
 
 
 def test_a_forced_call_streams_its_arguments_and_holds_back_the_closing():
-    from gateway.tools import CallStream, forced_call
+    from stallfree.gateway.inputs.tools import CallStream, forced_call
 
     text = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}\n</tool_call>'
     stream, got, names = CallStream(), [], []

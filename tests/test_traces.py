@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from core.analysis.cost_model import CostModel
-from core.analysis.simulator import VOCAB, report, simulate, trace_arrivals
-from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
-from core.model.embedded import load_tokenizer
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.timings import percentile
-from loadtest.generator import WordPrompts, trace_jobs
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.simulator import VOCAB, report, simulate, trace_arrivals
+from stallfree.core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.timings import percentile
+from stallfree.loadtest.generator import WordPrompts, trace_jobs
 
 TRACES = Path(__file__).resolve().parent.parent / "bench" / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"

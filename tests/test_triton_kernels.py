@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 import sys
 
-assert "kernels.triton_ops" not in sys.modules, "imported before TRITON_INTERPRET was set"
+assert "stallfree.kernels.triton_ops" not in sys.modules, "imported before TRITON_INTERPRET was set"
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.model.llama import rope_cos_sin  # noqa: E402
-from core.model.model_config import ModelConfig  # noqa: E402
-from kernels import build_attention_meta, reference  # noqa: E402
-from kernels import triton_ops as tri  # noqa: E402
+from stallfree.core.model.llama import rope_cos_sin  # noqa: E402
+from stallfree.core.model.model_config import ModelConfig  # noqa: E402
+from stallfree.kernels import build_attention_meta, reference  # noqa: E402
+from stallfree.kernels import triton_ops as tri  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -101,7 +101,7 @@ def test_paged_attention_ragged_mixed_batch(dtype):
 
 
 def test_dispatch_never_picks_triton_for_cpu_tensors():
-    import kernels
+    from stallfree import kernels
 
     assert kernels._impl(torch.zeros(1)) is kernels._cpu()
     assert kernels._impl(torch.zeros(1)) is not tri

@@ -16,17 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from core.analysis.sim_capacity import good_share
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.analysis.simulator import Arrival, report, simulate
-from core.sched.config import CacheConfig, Policy, SchedulerConfig
-from core.sched.deadline import Forecast, Pace, slack_s, verdict
-from core.sched.engine import Engine
-from core.sched.policy import order_waiting
-from core.sched.request import FinishReason
-from core.sched.timings import judge, request_timings
-from gateway.admission import Admission
-from gateway.settings import GatewaySettings
+from stallfree.core.analysis.sim_capacity import good_share
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.analysis.simulator import Arrival, report, simulate
+from stallfree.core.sched.config import CacheConfig, Policy, SchedulerConfig
+from stallfree.core.sched.deadline import Forecast, Pace, slack_s, verdict
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.policy import order_waiting
+from stallfree.core.sched.request import FinishReason
+from stallfree.core.sched.timings import judge, request_timings
+from stallfree.gateway.engine.admission import Admission
+from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server
 from tests.simkit import examples, request, run_to_completion, tokens
 from tests.simkit import step_items as step

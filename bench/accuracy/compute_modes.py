@@ -28,9 +28,9 @@ import torch
 
 from bench.accuracy.greedy_agreement import PROMPTS, agreement, greedy
 from bench.record import dated, describe, machine, table
-from core.model.loader import LoadedModel, load_model
-from core.model.model_runner import ModelRunner
-from kernels import build_attention_meta, linear_int8_available, native_cpu
+from stallfree.core.model.loader import LoadedModel, load_model
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.kernels import build_attention_meta, linear_int8_available, native_cpu
 
 TEXT = Path(__file__).with_name("english.txt")
 WINDOW, CHUNK, BLOCK = 1024, 512, 16

@@ -18,14 +18,14 @@ import json
 import sys
 
 from bench.record import dated, describe, machine, table
-from core.build import ModelSettings, build_engine
-from core.model.embedded import load_tokenizer
-from core.model.tokenizer import Tokenizer
-from core.sched.config import SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.handoff import KvHandoff
-from core.sched.request import Request, SamplingParams
-from loadtest.generator import PromptMaker
+from stallfree.core.build import ModelSettings, build_engine
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.handoff import KvHandoff
+from stallfree.core.sched.request import Request, SamplingParams
+from stallfree.loadtest.generator import PromptMaker
 
 PROMPTS = (40, 300, 1000, 1999, 2000, 2500)  # tokens: within a block, one chunk, several; block edges
 

@@ -17,14 +17,14 @@ import sys
 
 import torch
 
-import kernels
 from bench.record import dated, describe, machine, table
-from core.model.loader import load_model
-from core.model.model_runner import ModelRunner
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
-from kernels import reference
+from stallfree import kernels
+from stallfree.core.model.loader import load_model
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import Request, SamplingParams
+from stallfree.kernels import reference
 
 PROMPTS = [
     "The capital of France is",

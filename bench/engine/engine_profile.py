@@ -32,12 +32,12 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
 from bench.record import dated, describe, machine, table
-from core.model.llama import LlamaModel
-from core.model.loader import load_model
-from core.model.model_runner import resolve_dtype
-from kernels import build_attention_meta, reference, roofline
+from stallfree import kernels
+from stallfree.core.model.llama import LlamaModel
+from stallfree.core.model.loader import load_model
+from stallfree.core.model.model_runner import resolve_dtype
+from stallfree.kernels import build_attention_meta, reference, roofline
 
 CPU = torch.device("cpu")
 BLOCK = 16

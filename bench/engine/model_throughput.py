@@ -19,9 +19,9 @@ import time
 import torch
 
 from bench.record import dated, describe, machine, table
-from core.build import ModelSettings, build_engine
-from core.sched.config import SchedulerConfig
-from core.sched.request import Request, SamplingParams
+from stallfree.core.build import ModelSettings, build_engine
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.request import Request, SamplingParams
 from tests.simkit import tokens
 
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from bench.record import dated, describe, machine, table
-from core.build import ModelSettings, engine_over, load_runner, startup_profile
-from core.sched.config import SchedulerConfig
-from core.sched.engine import Engine
-from core.sched.request import Request, SamplingParams
+from stallfree.core.build import ModelSettings, engine_over, load_runner, startup_profile
+from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import Request, SamplingParams
 
 FUNCTIONS = [
     '''def moving_average(values, window):

@@ -36,7 +36,7 @@ from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
 from bench.servers import ROOT, StallfreeServer
-from core.sched.timings import percentile
+from stallfree.core.sched.timings import percentile
 
 
 def start_server(time_scale: float, streams: int, checkout: Path, extra: tuple[str, ...]) -> StallfreeServer:

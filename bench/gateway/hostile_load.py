@@ -54,8 +54,8 @@ from websockets.frames import Frame, Opcode
 from bench.gateway.users import stream_user
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from core.sched.timings import percentile
-from gateway.connections import raise_file_limit
+from stallfree.core.sched.timings import percentile
+from stallfree.gateway.edge.connections import raise_file_limit
 
 STREAMS = 4
 

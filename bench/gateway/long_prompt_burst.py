@@ -24,7 +24,7 @@ import httpx
 from bench.gateway.users import stream_user
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from core.sched.timings import percentile
+from stallfree.core.sched.timings import percentile
 
 BURST = 64
 

@@ -21,10 +21,10 @@ import time
 
 import torch
 
-import kernels
 from bench.record import dated, describe, machine, table
-from core.model.model_runner import resolve_dtype
-from kernels import build_attention_meta, reference
+from stallfree import kernels
+from stallfree.core.model.model_runner import resolve_dtype
+from stallfree.kernels import build_attention_meta, reference
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 CASES = {  # name: (decodes, decode context, chunk, chunk prefix)

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from bench.record import table
-from core.model.llama import LlamaModel, rope_cos_sin
-from core.model.model_config import ModelConfig
-from kernels import build_attention_meta, reference
-from kernels import triton_ops as tri
+from stallfree.core.model.llama import LlamaModel, rope_cos_sin
+from stallfree.core.model.model_config import ModelConfig
+from stallfree.kernels import build_attention_meta, reference
+from stallfree.kernels import triton_ops as tri
 
 HBM_BYTES_S = 4.8e12  # H200
 BF16_FLOPS = 790e12  # dense bf16, measured on that machine

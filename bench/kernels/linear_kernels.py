@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-import kernels
 from bench.record import dated, describe, machine, table
-from core.model.llama import LlamaModel
-from core.model.loader import load_model
+from stallfree import kernels
+from stallfree.core.model.llama import LlamaModel
+from stallfree.core.model.loader import load_model
 
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BF16_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -132,7 +132,7 @@ def main() -> None:
 
 
 def bf16_main(args: argparse.Namespace) -> None:
-    from kernels import roofline
+    from stallfree.kernels import roofline
 
     limits = roofline.measure()
     peak = limits.dot_bf16 if limits else 0.0

@@ -32,10 +32,10 @@ import torch
 from llguidance import LLMatcher
 
 from bench.record import dated, describe, machine, table
-from core.model import sampler as sampling
-from core.model.sampler import Sampler
-from core.model.tokenizer import Tokenizer
-from core.sched.request import Request, SamplingParams
+from stallfree.core.model import sampler as sampling
+from stallfree.core.model.sampler import Sampler
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.request import Request, SamplingParams
 
 VOCAB = 49152
 CANDIDATES = sampling.CANDIDATES
@@ -83,9 +83,9 @@ PARAGRAPH = (
 
 def model_logits(batch: int) -> tuple[torch.Tensor, Tokenizer]:
     """The embedded model's next-token logits after `batch` prefixes of PARAGRAPH."""
-    from core.build import ModelSettings, build_engine
-    from core.sched.config import SchedulerConfig
-    from core.sched.request import Request
+    from stallfree.core.build import ModelSettings, build_engine
+    from stallfree.core.sched.config import SchedulerConfig
+    from stallfree.core.sched.request import Request
 
     engine, runner = build_engine(ModelSettings(threads=torch.get_num_threads()), SchedulerConfig())
     ids = runner.tokenizer.encode(PARAGRAPH)

@@ -38,15 +38,15 @@ import httpx
 
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from core.analysis.disagg_plan import Link
-from core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
-from core.analysis.profiler import Profile
-from core.analysis.simulator import make_arrival
-from core.model.embedded import load_tokenizer
-from core.model.tokenizer import Tokenizer
-from core.sched.config import CacheConfig, Chunking, SchedulerConfig
-from core.sched.timings import percentile
-from loadtest.generator import Arrival, PromptMaker, Result, StallfreeTarget, run_jobs
+from stallfree.core.analysis.disagg_plan import Link
+from stallfree.core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
+from stallfree.core.analysis.profiler import Profile
+from stallfree.core.analysis.simulator import make_arrival
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.config import CacheConfig, Chunking, SchedulerConfig
+from stallfree.core.sched.timings import percentile
+from stallfree.loadtest.generator import Arrival, PromptMaker, Result, StallfreeTarget, run_jobs
 
 BUDGET = 256
 COMMON = ("--threads", "1", "--kv-cache-gib", "1", "--max-model-len", "4096", "--token-budget", str(BUDGET))
@@ -96,7 +96,7 @@ def probe_link(kv_bytes_per_token: int, tokens: int, repeats: int = 5) -> dict[s
     """Put a long prompt's KV payload in one Ray actor, get it in another: median time and Gbit/s."""
     import ray
 
-    from scaleout.app import start_ray
+    from stallfree.scaleout.app import start_ray
 
     start_ray(None, 2, 1, object_store_gib=1.0)
 

@@ -27,7 +27,16 @@ def main() -> None:
     args = p.parse_args()
     docs = []
     for n in (int(v) for v in args.sizes.split(",")):
-        command = [sys.executable, "-m", "cli", "simulate", "--replicas", str(n), "--kv-blocks", str(args.kv_blocks)]
+        command = [
+            sys.executable,
+            "-m",
+            "stallfree.cli",
+            "simulate",
+            "--replicas",
+            str(n),
+            "--kv-blocks",
+            str(args.kv_blocks),
+        ]
         t0 = time.perf_counter()
         out = subprocess.run([*command, "--json"], check=True, capture_output=True).stdout
         doc = orjson.loads(out)

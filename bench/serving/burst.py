@@ -21,8 +21,8 @@ import httpx
 
 from bench.record import dated, table
 from bench.servers import StallfreeServer
-from core.model.embedded import load_tokenizer
-from loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 
 
 def main() -> None:

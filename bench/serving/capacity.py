@@ -62,18 +62,18 @@ import torch
 
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
-from core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
-from core.analysis.online_cost import OnlineCost
-from core.analysis.profiler import Profile, choose_budget
-from core.analysis.simulator import report, simulate, trace_arrivals
-from core.analysis.traces import Replay, TraceRequest, read_trace, replay
-from core.model.embedded import load_tokenizer
-from core.model.model_runner import resolve_dtype
-from core.model.tokenizer import Tokenizer
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.cost import IterationCost
-from gateway.metrics import LATENCY_BUCKETS
-from loadtest.generator import (
+from stallfree.core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
+from stallfree.core.analysis.online_cost import OnlineCost
+from stallfree.core.analysis.profiler import Profile, choose_budget
+from stallfree.core.analysis.simulator import report, simulate, trace_arrivals
+from stallfree.core.analysis.traces import Replay, TraceRequest, read_trace, replay
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.model_runner import resolve_dtype
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.cost import IterationCost
+from stallfree.gateway.observe.metrics import LATENCY_BUCKETS
+from stallfree.loadtest.generator import (
     Arrival,
     OpenAITarget,
     PromptMaker,
@@ -83,7 +83,7 @@ from loadtest.generator import (
     summarize,
     trace_jobs,
 )
-from loadtest.report import replay_jobs
+from stallfree.loadtest.report import replay_jobs
 
 MODEL_DIR = VLLM / "smollm2-hf"
 TRACES = ROOT / "bench" / "traces"
@@ -237,7 +237,18 @@ def main() -> None:
 def measure_profile(dtype: str) -> Path:
     """``stallfree profile`` of the served weights, saved as a dated result."""
     path = dated("profile").with_suffix(".json")
-    cmd = [sys.executable, "-m", "cli", "profile", "--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stallfree.cli",
+        "profile",
+        "--model",
+        str(MODEL_DIR),
+        "--dtype",
+        dtype,
+        "--threads",
+        "1",
+    ]
     cmd += ["--tpot-slo-ms", "250", "--save", str(path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     command = " ".join(["stallfree", *cmd[3:]])

@@ -34,9 +34,9 @@ import torch
 
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import VLLM, StallfreeServer, free_port, start_vllm, stop
-from core.model.embedded import load_tokenizer
-from core.model.model_runner import resolve_dtype
-from loadtest.generator import (
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.model_runner import resolve_dtype
+from stallfree.loadtest.generator import (
     Arrival,
     OpenAITarget,
     PromptMaker,

@@ -73,18 +73,18 @@ from bench.serving.capacity import (
     replay_trial,
     vllm_at,
 )
-from core.analysis.capacity import STRICT, Goodput, Search, Trial, search, trial_from
-from core.analysis.profiler import Profile
-from core.analysis.simulator import report, simulate, trace_arrivals
-from core.analysis.traces import TraceRequest, read_trace, replay
-from core.model.embedded import load_tokenizer
-from core.model.model_runner import resolve_dtype
-from core.model.tokenizer import Tokenizer
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.cost import IterationCost
-from core.sched.request import FinishReason
-from core.sched.timings import RequestTimings, judge
-from loadtest.generator import OpenAITarget, summarize
+from stallfree.core.analysis.capacity import STRICT, Goodput, Search, Trial, search, trial_from
+from stallfree.core.analysis.profiler import Profile
+from stallfree.core.analysis.simulator import report, simulate, trace_arrivals
+from stallfree.core.analysis.traces import TraceRequest, read_trace, replay
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.model_runner import resolve_dtype
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.cost import IterationCost
+from stallfree.core.sched.request import FinishReason
+from stallfree.core.sched.timings import RequestTimings, judge
+from stallfree.loadtest.generator import OpenAITarget, summarize
 
 TTFT_SLO_MS = 2000.0
 GOODPUT = Goodput(0.9)

@@ -41,7 +41,7 @@ from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from core.sched.timings import percentile
+from stallfree.core.sched.timings import percentile
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 MAX_TOKENS = 72
@@ -54,8 +54,8 @@ def engine_alone(streams: list[int], prompt_tokens: int) -> tuple[dict[int, floa
     import torch
 
     from bench.engine.model_throughput import decode_run
-    from core.build import ModelSettings, build_engine
-    from core.sched.config import SchedulerConfig
+    from stallfree.core.build import ModelSettings, build_engine
+    from stallfree.core.sched.config import SchedulerConfig
 
     engine, runner = build_engine(ModelSettings(threads=1), SchedulerConfig(max_num_seqs=max(streams) + 8))
     torch.set_num_threads(1)
@@ -110,7 +110,7 @@ async def through_server(url: str, streams: int, crowd: int) -> dict[str, float]
 
 async def through_openai(url: str, streams: int) -> dict[str, float]:
     """N streams decoding together over the OpenAI SSE API: the client's gaps."""
-    from loadtest.generator import Arrival, OpenAITarget, run_jobs
+    from stallfree.loadtest.generator import Arrival, OpenAITarget, run_jobs
 
     jobs = [Arrival(0.0, f"{i}: {PROMPT}", MAX_TOKENS) for i in range(streams)]
     results = await run_jobs(OpenAITarget(url + "/v1", "stallfree"), jobs)
@@ -152,7 +152,7 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     engines = args.engines.split(",")
     crowds = [0, args.crowd] if args.crowd else [0]
-    from core.model.embedded import load_tokenizer
+    from stallfree.core.model.embedded import load_tokenizer
 
     prompt_tokens = len(load_tokenizer().encode(PROMPT))
     rows: list[dict[str, object]] = []

@@ -23,8 +23,8 @@ import httpx
 
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from core.model.embedded import load_tokenizer
-from loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
 
 MODES = {"short first": 0, "off (oldest partial first)": 1 << 20}  # long_prefill_tokens
 

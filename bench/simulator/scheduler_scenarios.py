@@ -15,10 +15,10 @@ import json
 import sys
 
 from bench.record import dated, table
-from core.analysis.cost_model import CostModel
-from core.analysis.simulator import report, scenario, simulate
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.timings import percentile
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.simulator import report, scenario, simulate
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.timings import percentile
 
 RUNS = [  # (scenario, label, settings, "small" request ids start with, "big" ones)
     ("short-behind-long", "short first (default)", {}, "S", "L"),

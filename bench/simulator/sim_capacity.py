@@ -30,12 +30,12 @@ import time
 from typing import Any
 
 from bench.serving.capacity import TRACE_SPECS
-from core.analysis.capacity import RELAXED, SLO, STRICT
-from core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
-from core.analysis.disagg_plan import Link
-from core.analysis.sim_capacity import Setup, capacities, figures_at_capacity, goodput_capacities
-from core.analysis.traces import Replay, read_trace
-from core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.analysis.capacity import RELAXED, SLO, STRICT
+from stallfree.core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
+from stallfree.core.analysis.disagg_plan import Link
+from stallfree.core.analysis.sim_capacity import Setup, capacities, figures_at_capacity, goodput_capacities
+from stallfree.core.analysis.traces import Replay, read_trace
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 
 
 def main() -> None:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from bench.record import OUT, dated, table
 from bench.serving.compare import METRICS, PHASES
-from core.analysis.profiler import Profile
-from core.analysis.simulator import make_arrival, simulate
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.timings import gaps_ns, percentile, request_timings
+from stallfree.core.analysis.profiler import Profile
+from stallfree.core.analysis.simulator import make_arrival, simulate
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.timings import gaps_ns, percentile, request_timings
 
 
 def arrivals(scenario: str) -> list:

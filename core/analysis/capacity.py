@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from core.sched.cost import IterationCost
+from stallfree.core.sched.cost import IterationCost
 
 STRICT, RELAXED = 5.0, 25.0  # Sarathi-Serve's SLOs: this many decode-only iteration times
 

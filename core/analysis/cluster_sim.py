@@ -18,16 +18,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.analysis.chat_workload import ChatSession, ChatWorkload, Conversation
-from core.analysis.cost_model import CostModel
-from core.analysis.sim_runner import SimRunner, VirtualClock
-from core.analysis.simulator import VOCAB
-from core.cluster.router import Prompt, Router
-from core.cluster.stats import ReplicaStats, engine_stats, prompt_hashes
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.engine import Engine, StepOutput
-from core.sched.request import Request, SamplingParams
-from core.sched.timings import summarize
+from stallfree.core.analysis.chat_workload import ChatSession, ChatWorkload, Conversation
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.analysis.simulator import VOCAB
+from stallfree.core.cluster.router import Prompt, Router
+from stallfree.core.cluster.stats import ReplicaStats, engine_stats, prompt_hashes
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine, StepOutput
+from stallfree.core.sched.request import Request, SamplingParams
+from stallfree.core.sched.timings import summarize
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.sched.cost import Chunks
+from stallfree.core.sched.cost import Chunks
 
 
 @dataclass(slots=True, frozen=True)

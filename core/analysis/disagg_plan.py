@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.analysis.cost_model import CostModel
-from core.analysis.planner import chunk_schedule
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.planner import chunk_schedule
 
 
 @dataclass(slots=True, frozen=True)

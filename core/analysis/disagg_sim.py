@@ -20,14 +20,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from core.analysis.cluster_sim import Cluster, Worker
-from core.analysis.cost_model import CostModel
-from core.analysis.disagg_plan import Link
-from core.analysis.simulator import Arrival
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.handoff import KvHandoff
-from core.sched.request import Request, SamplingParams
-from core.sched.timings import percentile, request_timings, summarize
+from stallfree.core.analysis.cluster_sim import Cluster, Worker
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.disagg_plan import Link
+from stallfree.core.analysis.simulator import Arrival
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.handoff import KvHandoff
+from stallfree.core.sched.request import Request, SamplingParams
+from stallfree.core.sched.timings import percentile, request_timings, summarize
 
 
 def _queued_tokens(worker: Worker) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from core.sched.cost import Chunks, IterationCost
+from stallfree.core.sched.cost import Chunks, IterationCost
 
 CLIP = math.log(2.0)  # largest log error one iteration may apply
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.analysis.cost_model import CostModel
+from stallfree.core.analysis.cost_model import CostModel
 
 GIB = 2**30
 

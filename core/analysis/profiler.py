@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
-from core.sched.batch import Batch, Item
-from core.sched.block_manager import BlockManager
-from core.sched.request import Request, SamplingParams
+from stallfree.core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
+from stallfree.core.sched.batch import Batch, Item
+from stallfree.core.sched.block_manager import BlockManager
+from stallfree.core.sched.request import Request, SamplingParams
 
 if TYPE_CHECKING:  # measuring needs the model; fitting and loading a profile do not
-    from core.model.model_runner import ModelRunner
+    from stallfree.core.model.model_runner import ModelRunner
 
 FULL_CHUNKS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 QUICK_CHUNKS = (16, 128, 512, 1024, 2048)

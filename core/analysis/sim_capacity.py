@@ -19,15 +19,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from core.analysis.capacity import SLO, Goodput, Trial, budget_for, search, trial_from
-from core.analysis.cost_model import CostModel
-from core.analysis.disagg_plan import Link
-from core.analysis.disagg_sim import simulate_disaggregated
-from core.analysis.simulator import SimResult, report, simulate, trace_arrivals
-from core.analysis.traces import Replay, TraceRequest, replay
-from core.sched.config import CacheConfig, Chunking, SchedulerConfig, Speculate
-from core.sched.request import FinishReason
-from core.sched.timings import judge, percentile, request_timings
+from stallfree.core.analysis.capacity import SLO, Goodput, Trial, budget_for, search, trial_from
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.analysis.disagg_plan import Link
+from stallfree.core.analysis.disagg_sim import simulate_disaggregated
+from stallfree.core.analysis.simulator import SimResult, report, simulate, trace_arrivals
+from stallfree.core.analysis.traces import Replay, TraceRequest, replay
+from stallfree.core.sched.config import CacheConfig, Chunking, SchedulerConfig, Speculate
+from stallfree.core.sched.request import FinishReason
+from stallfree.core.sched.timings import judge, percentile, request_timings
 
 
 @dataclass(slots=True)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 
-from core import faults
-from core.sched.batch import Batch, Sampled
-from core.sched.cost import IterationCost
-from core.sched.drafts import NgramDrafter, verified
-from core.sched.request import Request
+from stallfree.core import faults
+from stallfree.core.sched.batch import Batch, Sampled
+from stallfree.core.sched.cost import IterationCost
+from stallfree.core.sched.drafts import NgramDrafter, verified
+from stallfree.core.sched.request import Request
 
 
 class VirtualClock:

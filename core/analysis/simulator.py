@@ -24,15 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.analysis.sim_runner import SimDrafter, SimRunner, VirtualClock
-from core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
-from core.sched.batch import IterationRecord
-from core.sched.config import CacheConfig, SchedulerConfig, Speculate
-from core.sched.cost import IterationCost
-from core.sched.deadline import verdict
-from core.sched.engine import Engine
-from core.sched.request import FinishReason, Request, SamplingParams
-from core.sched.timings import judge, request_timings, summarize
+from stallfree.core.analysis.sim_runner import SimDrafter, SimRunner, VirtualClock
+from stallfree.core.analysis.traces import Replay, TraceRequest, prompt_ids, read_trace, replay
+from stallfree.core.sched.batch import IterationRecord
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig, Speculate
+from stallfree.core.sched.cost import IterationCost
+from stallfree.core.sched.deadline import verdict
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import FinishReason, Request, SamplingParams
+from stallfree.core.sched.timings import judge, request_timings, summarize
 
 VOCAB = 32000
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from core.analysis.cost_model import CostModel
-from core.cluster.stats import ReplicaStats
+from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.cluster.stats import ReplicaStats
 
 
 class RouterName(StrEnum):

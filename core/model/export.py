@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from core.model.loader import LoadedModel
+from stallfree.core.model.loader import LoadedModel
 
 
 def export_hf_dir(loaded: LoadedModel, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:

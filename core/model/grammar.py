@@ -24,8 +24,8 @@ import llguidance
 import llguidance.numpy
 import torch
 
-from core.model.tokenizer import Tokenizer
-from core.sched.request import Request
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.request import Request
 
 
 class Grammars:

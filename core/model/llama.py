@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from core.model.model_config import ModelConfig
+from stallfree import kernels
+from stallfree.core.model.model_config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from core.model.embedded import TINY, ModelLoadError, embedded_model_path, load_tokenizer
-from core.model.gguf import GGUFError, GGUFFile
-from core.model.model_config import ModelConfig
-from core.model.tokenizer import Tokenizer
-from kernels.compact import Quantized
+from stallfree.core.model.embedded import TINY, ModelLoadError, embedded_model_path, load_tokenizer
+from stallfree.core.model.gguf import GGUFError, GGUFFile
+from stallfree.core.model.model_config import ModelConfig
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.kernels.compact import Quantized
 
 
 @dataclass(slots=True)

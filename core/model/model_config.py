@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from core.analysis.cost_model import ModelSpec
+from stallfree.core.analysis.cost_model import ModelSpec
 
 
 @dataclass(slots=True, frozen=True)

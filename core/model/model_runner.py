@@ -11,11 +11,11 @@ import warnings
 
 import torch
 
-from core.model.llama import LlamaModel
-from core.model.loader import LoadedModel
-from core.model.sampler import Sampler
-from core.sched.batch import Batch, Sampled
-from kernels import Linear, backend, build_attention_meta, cpu_build, paths, roofline
+from stallfree.core.model.llama import LlamaModel
+from stallfree.core.model.loader import LoadedModel
+from stallfree.core.model.sampler import Sampler
+from stallfree.core.sched.batch import Batch, Sampled
+from stallfree.kernels import Linear, backend, build_attention_meta, cpu_build, paths, roofline
 
 
 def cpu_has_fast_bf16() -> bool:

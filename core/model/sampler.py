@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from core import faults
-from core.model.grammar import Grammars
-from core.model.token_counts import TokenCounts
-from core.model.tokenizer import Tokenizer
-from core.sched.batch import Logprobs, Sampled
-from core.sched.drafts import verified
-from core.sched.request import Request, SamplingParams
+from stallfree.core import faults
+from stallfree.core.model.grammar import Grammars
+from stallfree.core.model.token_counts import TokenCounts
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.batch import Logprobs, Sampled
+from stallfree.core.sched.drafts import verified
+from stallfree.core.sched.request import Request, SamplingParams
 
 
 class Sampler:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from core.sched.request import Request
+from stallfree.core.sched.request import Request
 
 
 class TokenCounts:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.sched.handoff import KvImport
-from core.sched.request import Request
+from stallfree.core.sched.handoff import KvImport
+from stallfree.core.sched.request import Request
 
 
 @dataclass(slots=True, frozen=True)

@@ -40,8 +40,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, KeysView
 from dataclasses import dataclass
 
-from core import faults
-from core.sched.request import Request
+from stallfree.core import faults
+from stallfree.core.sched.request import Request
 
 
 @dataclass(slots=True, frozen=True)

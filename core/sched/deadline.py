@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.sched.request import Request
+from stallfree.core.sched.request import Request
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from core.sched.request import Request
+from stallfree.core.sched.request import Request
 
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before its first verification
 ACCEPTANCE_WEIGHT = 0.3  # of the latest verification in the running rate

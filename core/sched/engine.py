@@ -14,15 +14,15 @@ from typing import Any
 
 import structlog
 
-from core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
-from core.sched.block_manager import BlockManager
-from core.sched.config import CacheConfig, SchedulerConfig
-from core.sched.cost import IterationCost
-from core.sched.deadline import Forecast
-from core.sched.drafts import Drafter
-from core.sched.request import FinishReason, Request, SamplingParams
-from core.sched.runner import Runner
-from core.sched.scheduler import ScheduleFailed, Scheduler
+from stallfree.core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
+from stallfree.core.sched.block_manager import BlockManager
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.cost import IterationCost
+from stallfree.core.sched.deadline import Forecast
+from stallfree.core.sched.drafts import Drafter
+from stallfree.core.sched.request import FinishReason, Request, SamplingParams
+from stallfree.core.sched.runner import Runner
+from stallfree.core.sched.scheduler import ScheduleFailed, Scheduler
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""The engine process's side of ``gateway.engine_process.EngineProcess``: the
+"""The engine process's side of ``gateway.engine.process.EngineProcess``: the
 step loop in a process of its own (vLLM V1's EngineCore shape).
 
 Why: in one process the step thread and the event loop share one interpreter
@@ -46,8 +46,8 @@ from typing import Any
 
 import structlog
 
-from core.sched.engine import Engine, StepOutput
-from core.sched.step_loop import StepLoop
+from stallfree.core.sched.engine import Engine, StepOutput
+from stallfree.core.sched.step_loop import StepLoop
 
 log = structlog.get_logger(__name__)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from core.sched.config import Policy
-from core.sched.deadline import deadline_ns
-from core.sched.request import Request
+from stallfree.core.sched.config import Policy
+from stallfree.core.sched.deadline import deadline_ns
+from stallfree.core.sched.request import Request
 
 # Past this queue length lpm falls back to fcfs, as SGLang does: matching
 # every waiting prompt against the cache each iteration would cost more than

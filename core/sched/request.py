@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from core.sched.handoff import KvHandoff
+from stallfree.core.sched.handoff import KvHandoff
 
 MAX_LOGPROBS = 20  # alternatives per token, OpenAI's limit
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from core.sched.batch import Batch, Sampled
+from stallfree.core.sched.batch import Batch, Sampled
 
 
 class Runner(Protocol):

@@ -50,17 +50,17 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core import faults
-from core.sched.batch import Batch, Item, NewToken, Sampled
-from core.sched.block_manager import Admitted, BlockManager
-from core.sched.config import Chunking, SchedulerConfig, Speculate
-from core.sched.cost import IterationCost
-from core.sched.deadline import Forecast, Pace, slack_s
-from core.sched.drafts import Drafter, NgramDrafter, expected_accepted
-from core.sched.handoff import KvImport
-from core.sched.policy import deadline_order, order_waiting
-from core.sched.request import Chunk, FinishReason, Request, RequestStatus
-from core.sched.timings import weighted_percentile
+from stallfree.core import faults
+from stallfree.core.sched.batch import Batch, Item, NewToken, Sampled
+from stallfree.core.sched.block_manager import Admitted, BlockManager
+from stallfree.core.sched.config import Chunking, SchedulerConfig, Speculate
+from stallfree.core.sched.cost import IterationCost
+from stallfree.core.sched.deadline import Forecast, Pace, slack_s
+from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted
+from stallfree.core.sched.handoff import KvImport
+from stallfree.core.sched.policy import deadline_order, order_waiting
+from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
+from stallfree.core.sched.timings import weighted_percentile
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
 # The TBT target's aim: iterations are sized to aim x target, where the aim is 1 over the

@@ -21,8 +21,8 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from core.sched.engine import Engine, EngineSnapshot, StepOutput, check_request
-from core.sched.request import Request
+from stallfree.core.sched.engine import Engine, EngineSnapshot, StepOutput, check_request
+from stallfree.core.sched.request import Request
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

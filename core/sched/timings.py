@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from core.sched.request import Request, Timeline
+from stallfree.core.sched.request import Request, Timeline
 
 
 def percentile(values: Sequence[float], q: float) -> float:

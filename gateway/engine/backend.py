@@ -1,0 +1,60 @@
+"""The one seam between the gateway and whatever runs the engine.
+
+``EngineClient`` drives an ``EngineBackend``, built whole before it: the
+step thread of an engine process of its own (``gateway.engine.process.EngineProcess``,
+``stallfree serve``'s default), this process's step thread
+(``core.sched.step_loop.StepLoop``) or engines on Ray Serve replicas
+(``scaleout.remote.RemoteEngine``). The backend reports back
+to an ``EngineListener`` (the client), given when it starts.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from stallfree.core.cluster.stats import ReplicaStats
+from stallfree.core.sched.engine import EngineSnapshot, StepOutput
+from stallfree.core.sched.request import Request
+
+
+class EngineListener(Protocol):
+    def on_step(self, out: StepOutput) -> None:
+        """An iteration's outputs, or requests that ended outside one; from any thread."""
+
+    def on_fatal(self, reason: str) -> None:
+        """The engine stopped for good; from any thread."""
+
+    def on_replicas(self, stats: list[ReplicaStats]) -> None:
+        """Each replica's latest report (replicas only), on the event loop."""
+
+
+class EngineBackend(Protocol):
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """Settings and KV counts as last published (safe to read from any thread)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def last_step_ns(self) -> int:
+        """perf_counter_ns of the last iteration (or output) seen."""
+
+    @property
+    def busy_since_ns(self) -> int:
+        """When the running iteration began; 0 between iterations (the watchdog's view)."""
+
+    def replica_counts(self) -> tuple[int, int] | None:
+        """(ready, configured) replicas; None for one engine in this process."""
+
+    def start(self, listener: EngineListener) -> None:
+        """Begin; called on the event loop."""
+
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+    def submit(self, req: Request) -> Future[None]: ...
+
+    def abort(self, request_id: str) -> Future[bool]: ...
+
+    def reconfigure(self, changes: dict[str, Any]) -> Future[list[str]]: ...

@@ -1,0 +1,330 @@
+"""The bridge between the event loop and the engine's step thread.
+
+``submit`` passes the request through ``Admission`` (rate, waiting room,
+tokenizing off the loop), hands it to the engine backend and returns its
+``RequestStream``. The backend reports each iteration in one call
+(``on_step``, one ``call_soon_threadsafe``); on the loop, ``_fan_out``
+spreads that iteration's tokens over the streams and tells the observers
+(metrics, telemetry, traces, request log) what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import structlog
+
+from stallfree.core import faults
+from stallfree.core.cluster.stats import ReplicaStats
+from stallfree.core.model.tokenizer import Tokenizer
+from stallfree.core.sched.deadline import Verdict
+from stallfree.core.sched.engine import EngineSnapshot, RequestOutput, RequestRejected, StepOutput
+from stallfree.core.sched.request import FinishReason, Request
+from stallfree.gateway.engine.admission import Admission
+from stallfree.gateway.engine.backend import EngineBackend
+from stallfree.gateway.engine.streams import RequestStream
+from stallfree.gateway.inputs.prompts import prompt_ids
+from stallfree.gateway.inputs.protocol import GenerateRequest, ProtocolError
+from stallfree.gateway.observe.metrics import Metrics
+from stallfree.gateway.observe.observers import Emitted, Observer, RequestLog, TargetLog
+from stallfree.gateway.observe.telemetry import Telemetry
+from stallfree.gateway.observe.tracing import Tracing
+from stallfree.gateway.settings import GatewaySettings
+
+log = structlog.get_logger(__name__)
+
+
+class EngineClient:
+    """``engine``: run it on this process's step thread; or ``remote``: build
+    the stand-in that drives engines elsewhere (``scaleout.remote``) from
+    this client's callbacks."""
+
+    def __init__(
+        self,
+        backend: EngineBackend,
+        tokenizer: Tokenizer,
+        settings: GatewaySettings,
+        tracing: Tracing | None = None,
+        log_text: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.metrics = Metrics()
+        self.telemetry = Telemetry()
+        self.tracing = tracing
+        self.observers: list[Observer] = [self.metrics, self.telemetry, RequestLog(tokenizer, log_text), TargetLog()]
+        if tracing is not None:
+            self.observers.append(tracing)
+        self.backend = backend
+        self.accepting = False
+        self.fatal: str | None = None  # why the engine stopped for good, once it has
+        self.on_engine_failed: Callable[[str], None] | None = None  # the server exits non-zero
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self.admission = Admission(settings)
+        self._ids = itertools.count()
+        self._last_submit_ns = 0
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.backend.start(self)
+        self.accepting = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting; give in-flight requests timeout_s to finish, then cancel the rest."""
+        self.accepting = False
+        with anyio.move_on_after(timeout_s):
+            while self._streams:
+                await anyio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.cancel(request_id)
+        with anyio.move_on_after(2.0):
+            while self._streams:
+                await anyio.sleep(0.02)
+
+    def stop(self) -> None:
+        self.accepting = False
+        self._stopping = True
+        self.backend.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's settings and KV counts as the step thread last published them."""
+        return self.backend.snapshot
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def replicas(self) -> tuple[int, int] | None:
+        """(ready, configured) engine replicas when they run elsewhere; None for one local engine."""
+        return self.backend.replica_counts()
+
+    def on_replicas(self, stats: list[ReplicaStats]) -> None:
+        """The replicas' latest reports (scale-out), for the observers."""
+        self._observe(lambda obs: obs.on_replicas(stats))
+
+    @property
+    def ready(self) -> bool:
+        """Step thread alive, and (with work in flight) iterating within the last 30 s;
+        with replicas, at least one of them reporting."""
+        if self.fatal is not None or not self.backend.alive:
+            return False
+        if self.replicas is not None and self.replicas[0] == 0:
+            return False
+        last = max(self.backend.last_step_ns, self._last_submit_ns)
+        return not self._streams or time.perf_counter_ns() - last < 30e9
+
+    # -- requests ----------------------------------------------------------
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def submit(self, req: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
+        """Queue a request; returns its stream and prompt length. Raises ProtocolError."""
+        streams, prompt_tokens = await self.submit_choices(req, request_id, 1)
+        return streams[0], prompt_tokens
+
+    async def submit_choices(self, req: GenerateRequest, request_id: str, n: int) -> tuple[list[RequestStream], int]:
+        """Queue n choices of one prompt (OpenAI's ``n``): tokenized once; the
+        first choice's prompt is computed and the others share its KV blocks
+        (``Request.prefill_after``). Choice i > 0 is ``<request_id>-<i>``, with
+        its own seed when one is given. Returns their streams and the prompt length."""
+        arrival_ns = time.perf_counter_ns()
+        if self.fatal is not None:
+            raise ProtocolError("unavailable", f"the engine stopped: {self.fatal}")
+        if not self.accepting:
+            raise ProtocolError("overloaded", "server is shutting down")
+        self.admission.check_rate(req.tenant)
+        ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, req), req.tenant)
+        self.admission.reserve(req.tenant, len(ids))
+        verdict = self._forecast(req, len(ids))
+        sampling = req.sampling
+        limit = self.snapshot.config.max_model_len
+        if not req.max_tokens_given:
+            sampling.max_tokens = max(1, limit - len(ids))
+        streams: list[RequestStream] = []
+        for i in range(n):
+            choice_id = request_id if i == 0 else f"{request_id}-{i}"
+            choice_sampling = sampling
+            if i and sampling.seed is not None:  # the same seed would draw the same tokens n times
+                choice_sampling = dataclasses.replace(sampling, seed=hash((sampling.seed, i)) & (2**63 - 1))
+            request = Request(choice_id, ids, choice_sampling, arrival_ns, req.priority, req.tenant)
+            request.cache_salt = "" if self.settings.share_prefix_cache else req.tenant  # each key hits its own blocks
+            request.prefill_after = request_id if i else None
+            request.ttft_slo_ms = req.ttft_slo_ms
+            try:
+                streams.append(self._queue(request, req, len(ids) if i == 0 else 0))
+                streams[-1].verdict = verdict
+            except ProtocolError:  # the choices already queued have nobody to read them
+                for stream in streams:
+                    self.cancel(stream.request_id)
+                    stream.close()
+                self.admission.charge(req.tenant, -len(ids))  # nothing ran: the prompt's tokens go back
+                raise
+        return streams, len(ids)
+
+    def _forecast(self, req: GenerateRequest, prompt_tokens: int) -> Verdict | None:
+        """Admission's prediction of the first token under a TTFT target; with
+        ``shed_load``, a prompt only the queue makes late is refused here, before
+        it costs any KV or prefill (429, Retry-After from the forecast)."""
+        snapshot = self.snapshot
+        target = req.ttft_slo_ms if req.ttft_slo_ms is not None else snapshot.config.ttft_slo_ms
+        verdict = self.admission.predict(snapshot.counts.forecast, prompt_tokens, target)
+        if verdict is None:
+            return None
+        shed = verdict.refusable and self.settings.shed_load
+        self.metrics.on_admission("on_time" if verdict.on_time else "shed" if shed else "late")
+        if shed:
+            self.admission.charge(req.tenant, -prompt_tokens)  # nothing ran: the prompt's tokens go back
+            why = (
+                f"predicted time to first token {verdict.predicted_s * 1e3:.0f} ms exceeds the TTFT target "
+                f"{target:g} ms; retry in {verdict.retry_after_s} s"
+            )
+            raise ProtocolError("overloaded", why, None, verdict.retry_after_s)
+        return verdict
+
+    def _queue(self, request: Request, req: GenerateRequest, new_prompt_tokens: int) -> RequestStream:
+        """Hand request to the engine; ``new_prompt_tokens``: what it adds to the queue's prefill."""
+        request_id = request.request_id
+        try:
+            future = self.backend.submit(request)
+        except RequestRejected as exc:
+            raise ProtocolError(exc.code, str(exc)) from None
+        except ValueError as exc:
+            raise ProtocolError("invalid_request", str(exc)) from None
+        self.admission.sent(new_prompt_tokens)
+        stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
+        self._streams[request_id] = stream
+        self.admission.queued(request_id, request.tenant)
+        self._last_submit_ns = time.perf_counter_ns()
+        operation = "chat" if req.messages is not None else "text_completion"
+        self._observe(lambda obs: obs.on_submit(request, operation, self.settings.model_name, req.traceparent))
+        future.add_done_callback(lambda f: self._submit_failed(request_id, f.exception()) if f.exception() else None)
+        return stream
+
+    def _submit_failed(self, request_id: str, exc: BaseException | None) -> None:
+        """Step thread: the engine refused a request that passed the checks (a bug)."""
+        log.error("engine_refused_request", request_id=request_id, error=repr(exc))
+        self._call_soon(self._fail, request_id, FinishReason.ERROR)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort in the engine (KV freed there); the stream ends with reason 'abort'."""
+        if request_id in self._streams:
+            self.backend.abort(request_id)
+
+    def cut_off(self, request_id: str, **why: object) -> None:
+        """A reader too slow for its stream: it ends with ``slow_consumer``, its KV is freed."""
+        if request_id in self._streams:
+            log.warning("slow_consumer", request_id=request_id, **why)
+            self._observe(lambda obs: obs.on_cut_off(request_id))
+            self._fail(request_id, FinishReason.SLOW_CONSUMER)
+
+    def report_error(self, code: str) -> None:
+        """An error answered to a client, for the observers (the errors metric)."""
+        self._observe(lambda obs: obs.on_error(code))
+
+    # -- health --------------------------------------------------------------
+    async def watchdog(self, period_s: float = 1.0) -> None:
+        """Notices a step thread that died or an iteration that never ends."""
+        while True:
+            await anyio.sleep(period_s)
+            if self.fatal is not None or self._stopping:
+                continue
+            busy = self.backend.busy_since_ns
+            if not self.backend.alive:
+                self._fail_engine("the step thread exited")
+            elif busy and time.perf_counter_ns() - busy > self.settings.stuck_iteration_s * 1e9:
+                self._fail_engine(f"an iteration has run for over {self.settings.stuck_iteration_s:g} s")
+
+    def on_fatal(self, reason: str) -> None:
+        """Any thread: the engine stopped for good."""
+        self._call_soon(self._fail_engine, reason)
+
+    def _fail_engine(self, reason: str) -> None:
+        """Loop: every stream gets its error, new requests get 503, the server exits non-zero."""
+        if self.fatal is not None:
+            return
+        self.fatal = reason
+        self.accepting = False
+        log.critical("engine_failed", reason=reason, in_flight=len(self._streams))
+        for request_id in list(self._streams):
+            self._fail(request_id, FinishReason.ERROR)
+        if self.on_engine_failed is not None:
+            self.on_engine_failed(reason)
+
+    # -- step thread -> loop -----------------------------------------------
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def on_step(self, out: StepOutput) -> None:
+        """Any thread: one thread-safe call per iteration."""
+        self._call_soon(self._fan_out, out)
+
+    def _observe(self, event: Callable[[Observer], None]) -> None:
+        """Tell every observer; one that fails is logged and skipped: observers
+        must never cost anybody their tokens."""
+        for observer in self.observers:
+            try:
+                event(observer)
+            except Exception:
+                log.exception("observer_failed", observer=type(observer).__name__)
+
+    def _fan_out(self, out: StepOutput) -> None:
+        it = out.iteration
+        emit_ns = out.emit_ns or (it.end_ns if it is not None else time.perf_counter_ns())
+        self._observe(lambda obs: obs.on_counts(out.counts))
+        if it is not None:
+            self._observe(lambda obs: obs.on_iteration(it))
+        emitted: list[Emitted] = []
+        finished: list[tuple[Request, FinishReason]] = []
+        for o in out.outputs:
+            try:
+                self._deliver(o, emit_ns, emitted)
+            except Exception:  # one request's failure must not stall everybody's delivery
+                log.exception("fan_out_failed", request_id=o.request_id)
+                self._fail(o.request_id, FinishReason.ERROR)
+            if o.finish_reason is not None and o.request is not None:
+                finished.append((o.request, o.finish_reason))
+        if emitted:  # before the finishes, which free what observers hold per request
+            self._observe(lambda obs: obs.on_tokens(emitted))
+        for req, reason in finished:
+            self._finished(req, reason)
+
+    def _deliver(self, o: RequestOutput, emit_ns: int, emitted: list[Emitted]) -> None:
+        faults.point("fan_out")
+        stream = self._streams.get(o.request_id)
+        if stream is None:
+            return
+        if o.new_token_ids:
+            gap_ns = emit_ns - stream.last_emit_ns if stream.last_emit_ns else None
+            emitted.append(Emitted(o.request_id, len(o.new_token_ids), emit_ns, gap_ns, o.stalled))
+            stream.last_emit_ns = emit_ns
+        self.admission.started(o.request_id)
+        if not stream.put(o.new_token_ids, emit_ns, o.finish_reason, o.request, o.logprobs):
+            self.cut_off(o.request_id)
+        elif o.finish_reason is not None:
+            del self._streams[o.request_id]
+
+    def _finished(self, req: Request, finish_reason: FinishReason) -> None:
+        """The rate limit's charge for what was generated (admission), then the observers."""
+        self.admission.charge(req.tenant, req.num_output_tokens)
+        self._observe(lambda obs: obs.on_finish(req, finish_reason))
+
+    def _fail(self, request_id: str, reason: FinishReason) -> None:
+        stream = self._streams.pop(request_id, None)
+        self.admission.started(request_id)
+        if stream is not None:
+            stream.fail(reason)
+            self.backend.abort(request_id)

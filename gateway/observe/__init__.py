@@ -1,0 +1,1 @@
+"""Everything that watches requests and iterations: metrics, spans, the dashboard's telemetry, logs."""

@@ -1,0 +1,259 @@
+"""What the OpenAI-compatible endpoints share: reading and checking a body,
+errors, ``/v1/models``, and answering every choice of a prompt (OpenAI's
+``n``) in one response or one SSE stream.
+
+Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), with
+``stream_options.include_usage``. A client that disconnects aborts its
+request (and frees its KV) whether it streams or not. Which of OpenAI's
+fields are honoured is ``gateway.openai.fields``; each endpoint
+(``openai_completions``, ``openai_chat``) parses its own fields and shapes
+its own objects (``openai_shapes``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import anyio
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from stallfree.core.sched.deadline import Verdict
+from stallfree.gateway.edge.auth import request_key, tenant_of
+from stallfree.gateway.engine.client import EngineClient
+from stallfree.gateway.engine.pieces import Piece, PieceMaker, ready_pieces
+from stallfree.gateway.engine.streams import RequestStream
+from stallfree.gateway.inputs.protocol import (
+    HTTP_STATUS,
+    GenerateRequest,
+    ProtocolError,
+    boolean,
+    error_body,
+    integer,
+    parse_generate,
+    parse_json_object,
+    parse_off_loop,
+)
+from stallfree.gateway.openai.fields import NoOp, check_fields
+from stallfree.gateway.openai.replies import Shape, finish_of
+
+
+def error_response(code: str, message: str, retry_after_s: int = 0, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+    return JSONResponse(error_body(code, message, param), status_code=HTTP_STATUS.get(code, 400), headers=headers)
+
+
+async def read_json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object: at most ``limit`` bytes, all of it within
+    ``timeout_s`` (a client trickling its body cannot hold a slot forever)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused now, not after waiting for what it promised
+        raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
+    body = b""
+    with anyio.move_on_after(timeout_s) as scope:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ProtocolError("invalid_request", f"request body larger than {limit} bytes")
+    if scope.cancelled_caught:
+        raise ProtocolError("timeout", f"request body not received within {timeout_s:g} s")
+    return parse_json_object(body, "request body")
+
+
+async def models(request: Request) -> Response:
+    client: EngineClient = request.app.state.client
+    model = {"id": client.settings.model_name, "object": "model", "created": 0, "owned_by": "stallfree"}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+def parse_openai(
+    body: dict[str, Any],
+    client: EngineClient,
+    defaults: dict[str, Any],
+    fields: dict[str, str | NoOp],
+    endpoint: str,
+) -> GenerateRequest:
+    """The fields both endpoints share, checked; then the request."""
+    check_fields(body, fields, endpoint)
+    boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), (bool, type(None)))
+    ):
+        raise ProtocolError(
+            "invalid_request", "stream_options must be {include_usage: true or false}", param="stream_options"
+        )
+    for name in ("model", "user"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ProtocolError("invalid_request", f"{name} must be a string", param=name)
+    return parse_generate(body, defaults, client.snapshot.config.max_model_len)
+
+
+class ShapeMaker(Protocol):
+    def __call__(
+        self,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        req: GenerateRequest,
+        token_bytes: list[bytes],
+        index: int,
+    ) -> Shape: ...
+
+
+async def handle(
+    request: Request,
+    prefix: str,
+    parse: Callable[[dict[str, Any], EngineClient], GenerateRequest],
+    shape: ShapeMaker,
+) -> Response:
+    """One endpoint's request: read, parse (the endpoint's ``parse``), admit its
+    choices, then answer with one ``shape`` per choice."""
+    client: EngineClient = request.app.state.client
+    try:
+        body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
+        req = await parse_off_loop(parse, body, client)
+        if req.traceparent is None:
+            req.traceparent = request.headers.get("traceparent")
+        req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
+        request_id = client.new_id(prefix)
+        n = integer(body, "n", 1, 1, MAX_CHOICES) or 1
+        if n > 1 and req.tools is not None:
+            raise ProtocolError("invalid_request", "n: more than one choice with tools is not supported", param="n")
+        streams, prompt_tokens = await client.submit_choices(req, request_id, n)
+    except ProtocolError as exc:
+        client.report_error(exc.code)
+        return error_response(exc.code, exc.message, exc.retry_after_s, exc.param)
+    model = client.settings.model_name  # the served model's id, never the client's string (echoed per chunk)
+    token_bytes = client.tokenizer.token_bytes
+    ids = [s.request_id for s in streams]
+    makers = [PieceMaker(token_bytes, req.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
+    shapes = [shape(request_id, model, prompt_tokens, req, token_bytes, i) for i in range(n)]
+    return await _respond(request, client, body, streams, makers, shapes)
+
+
+MAX_CHOICES = 16
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _choice_pieces(
+    streams: list[RequestStream], makers: list[PieceMaker]
+) -> AsyncIterator[tuple[int, Piece | ProtocolError]]:
+    """The choices' pieces as they come, interleaved, until every choice has ended:
+    one task drains all the streams, woken by any of them."""
+    wake = [anyio.Event()]
+    for s in streams:
+        s.on_put = lambda: wake[0].set()
+    ended = [False] * len(streams)
+    while not all(ended):
+        for i, (stream, maker) in enumerate(zip(streams, makers, strict=True)):
+            if ended[i]:
+                continue
+            for item in ready_pieces(stream, maker):
+                ended[i] = isinstance(item, ProtocolError) or item.finish_reason is not None
+                yield i, item
+        if not all(ended):
+            await wake[0].wait()
+            wake[0] = anyio.Event()
+
+
+async def _respond(
+    request: Request,
+    client: EngineClient,
+    body: dict[str, Any],
+    streams: list[RequestStream],
+    makers: list[PieceMaker],
+    shapes: list[Shape],
+) -> Response:
+    """Every choice of one prompt (OpenAI's ``n``), in one response or one
+    interleaved SSE stream (``data: {...}`` chunks, then ``data: [DONE]``).
+    A client that goes away cancels every choice and frees its KV."""
+
+    def usage() -> dict[str, Any]:
+        completion = sum(s.completion_tokens for s in shapes)
+        return {
+            **shapes[0].usage(),
+            "completion_tokens": completion,
+            "total_tokens": shapes[0].prompt_tokens + completion,
+        }
+
+    def cancel_all() -> None:
+        for s in streams:
+            client.cancel(s.request_id)
+            s.close()
+
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                for shape in shapes:
+                    for chunk in shape.opening():
+                        yield _event(chunk)
+                async for i, item in _choice_pieces(streams, makers):
+                    if isinstance(item, ProtocolError):
+                        client.report_error(item.code)
+                        yield _event(error_body(item.code, item.message))
+                        continue
+                    shapes[i].count(item)
+                    for chunk in shapes[i].stream(item):
+                        yield _event(chunk)
+                if include_usage:
+                    yield _event({**shapes[0].chunk(None, None), "choices": [], "usage": usage()})
+                yield b"data: [DONE]\n\n"
+            finally:
+                cancel_all()  # finished choices are no-ops; a client gone mid-stream frees them all
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **admission_headers(streams[0].verdict)}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    parts: list[list[str]] = [[] for _ in streams]
+    choices: list[dict[str, Any] | None] = [None] * len(streams)
+    failure: ProtocolError | None = None
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect, tg.cancel_scope)
+            async for i, item in _choice_pieces(streams, makers):
+                if isinstance(item, ProtocolError):
+                    failure = item
+                    break
+                parts[i].append(item.text)
+                shapes[i].count(item)
+                shapes[i].piece_logprobs(item)
+                if item.finish_reason:
+                    choices[i] = shapes[i].whole("".join(parts[i]), finish_of(item))["choices"][0]
+            tg.cancel_scope.cancel()
+    finally:
+        cancel_all()
+    if failure is not None:
+        client.report_error(failure.code)
+        return error_response(failure.code, failure.message)
+    if any(c is None for c in choices):  # the client went away
+        return Response(status_code=499)
+    whole = shapes[0].whole("", "stop")
+    return JSONResponse({**whole, "choices": choices, "usage": usage()}, headers=admission_headers(streams[0].verdict))
+
+
+def admission_headers(verdict: Verdict | None) -> dict[str, str]:
+    """What admission predicted under a TTFT target: the first token's time
+    after arrival, and, when that misses the target, that it comes best-effort."""
+    if verdict is None:
+        return {}
+    headers = {"x-stallfree-predicted-ttft-ms": f"{verdict.predicted_s * 1e3:.0f}"}
+    if not verdict.on_time:
+        headers["x-stallfree-best-effort"] = "1"
+    return headers
