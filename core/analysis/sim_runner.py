@@ -13,6 +13,8 @@ from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.drafts import NgramDrafter, verified
 from stallfree.core.sched.request import Request
 
+_ACCEPT = 0x5EED  # salts the draw that keeps a draft apart from the one that picks a token
+
 
 class VirtualClock:
     """A perf_counter_ns stand-in that only moves when told to (simulation)."""
@@ -127,7 +129,8 @@ class SimRunner:
                 for block_id in req.block_ids[: -(-end // bs)]:
                     context += self._slots[block_id]
                 key = tuple(context[:end])
-                if i < len(item.drafts) and hash((key, "accept")) % 10_000 < self.acceptance * 10_000:
+                # ints only: a str in the key would salt hash() per process and no two runs would agree
+                if i < len(item.drafts) and hash((key, _ACCEPT)) % 10_000 < self.acceptance * 10_000:
                     drawn.append(item.drafts[i])  # the simulated model agrees with this draft
                 else:
                     drawn.append(17 + hash(key) % (self.vocab_size - 17))
