@@ -6,8 +6,8 @@ Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), with
 ``stream_options.include_usage``. A client that disconnects aborts its
 request (and frees its KV) whether it streams or not. Which of OpenAI's
 fields are honoured is ``gateway.openai.fields``; each endpoint
-(``openai_completions``, ``openai_chat``) parses its own fields and shapes
-its own objects (``openai_shapes``).
+(``gateway.openai.completions``, ``gateway.openai.chat``) parses its own
+fields and builds its own objects (a ``Reply``, ``gateway.openai.replies``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from stallfree.gateway.inputs.protocol import (
     parse_off_loop,
 )
 from stallfree.gateway.openai.fields import NoOp, check_fields
-from stallfree.gateway.openai.replies import Shape, finish_of
+from stallfree.gateway.openai.replies import Reply, finish_of
 
 
 def error_response(code: str, message: str, retry_after_s: int = 0, param: str | None = None) -> JSONResponse:
@@ -94,7 +94,7 @@ def parse_openai(
     return parse_generate(body, defaults, client.snapshot.config.max_model_len)
 
 
-class ShapeMaker(Protocol):
+class ReplyMaker(Protocol):
     def __call__(
         self,
         request_id: str,
@@ -103,17 +103,17 @@ class ShapeMaker(Protocol):
         req: GenerateRequest,
         token_bytes: list[bytes],
         index: int,
-    ) -> Shape: ...
+    ) -> Reply: ...
 
 
 async def handle(
     request: Request,
     prefix: str,
     parse: Callable[[dict[str, Any], EngineClient], GenerateRequest],
-    shape: ShapeMaker,
+    reply: ReplyMaker,
 ) -> Response:
     """One endpoint's request: read, parse (the endpoint's ``parse``), admit its
-    choices, then answer with one ``shape`` per choice."""
+    choices, then answer with one ``reply`` per choice."""
     client: EngineClient = request.app.state.client
     try:
         body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
@@ -133,8 +133,8 @@ async def handle(
     token_bytes = client.tokenizer.token_bytes
     ids = [s.request_id for s in streams]
     makers = [PieceMaker(token_bytes, req.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
-    shapes = [shape(request_id, model, prompt_tokens, req, token_bytes, i) for i in range(n)]
-    return await _respond(request, client, body, streams, makers, shapes)
+    replies = [reply(request_id, model, prompt_tokens, req, token_bytes, i) for i in range(n)]
+    return await _respond(request, client, body, streams, makers, replies)
 
 
 MAX_CHOICES = 16
@@ -171,18 +171,18 @@ async def _respond(
     body: dict[str, Any],
     streams: list[RequestStream],
     makers: list[PieceMaker],
-    shapes: list[Shape],
+    replies: list[Reply],
 ) -> Response:
     """Every choice of one prompt (OpenAI's ``n``), in one response or one
     interleaved SSE stream (``data: {...}`` chunks, then ``data: [DONE]``).
     A client that goes away cancels every choice and frees its KV."""
 
     def usage() -> dict[str, Any]:
-        completion = sum(s.completion_tokens for s in shapes)
+        completion = sum(s.completion_tokens for s in replies)
         return {
-            **shapes[0].usage(),
+            **replies[0].usage(),
             "completion_tokens": completion,
-            "total_tokens": shapes[0].prompt_tokens + completion,
+            "total_tokens": replies[0].prompt_tokens + completion,
         }
 
     def cancel_all() -> None:
@@ -195,19 +195,19 @@ async def _respond(
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                for shape in shapes:
-                    for chunk in shape.opening():
+                for reply in replies:
+                    for chunk in reply.opening():
                         yield _event(chunk)
                 async for i, item in _choice_pieces(streams, makers):
                     if isinstance(item, ProtocolError):
                         client.report_error(item.code)
                         yield _event(error_body(item.code, item.message))
                         continue
-                    shapes[i].count(item)
-                    for chunk in shapes[i].stream(item):
+                    replies[i].count(item)
+                    for chunk in replies[i].stream(item):
                         yield _event(chunk)
                 if include_usage:
-                    yield _event({**shapes[0].chunk(None, None), "choices": [], "usage": usage()})
+                    yield _event({**replies[0].chunk(None, None), "choices": [], "usage": usage()})
                 yield b"data: [DONE]\n\n"
             finally:
                 cancel_all()  # finished choices are no-ops; a client gone mid-stream frees them all
@@ -232,10 +232,10 @@ async def _respond(
                     failure = item
                     break
                 parts[i].append(item.text)
-                shapes[i].count(item)
-                shapes[i].piece_logprobs(item)
+                replies[i].count(item)
+                replies[i].piece_logprobs(item)
                 if item.finish_reason:
-                    choices[i] = shapes[i].whole("".join(parts[i]), finish_of(item))["choices"][0]
+                    choices[i] = replies[i].whole("".join(parts[i]), finish_of(item))["choices"][0]
             tg.cancel_scope.cancel()
     finally:
         cancel_all()
@@ -244,7 +244,7 @@ async def _respond(
         return error_response(failure.code, failure.message)
     if any(c is None for c in choices):  # the client went away
         return Response(status_code=499)
-    whole = shapes[0].whole("", "stop")
+    whole = replies[0].whole("", "stop")
     return JSONResponse({**whole, "choices": choices, "usage": usage()}, headers=admission_headers(streams[0].verdict))
 
 

@@ -16,14 +16,14 @@ from stallfree.gateway.inputs.tools import CallStream, ToolCall, Tools, forced_c
 from stallfree.gateway.inputs.tools import grammar as tool_grammar
 from stallfree.gateway.openai.api import handle, parse_openai
 from stallfree.gateway.openai.fields import CHAT
-from stallfree.gateway.openai.logprobs import ChatLogprobs, LogprobsShape
-from stallfree.gateway.openai.replies import Shape, finish_of
+from stallfree.gateway.openai.logprobs import ChatLogprobs, LogprobsFormat
+from stallfree.gateway.openai.replies import Reply, finish_of
 from stallfree.gateway.openai.tool_stream import HeldText
 
 DEFAULTS: dict[str, Any] = {"temperature": 1.0, "max_tokens": None}
 
 
-class ChatShape(Shape):
+class ChatReply(Reply):
     chunk_object = "chat.completion.chunk"
     whole_object = "chat.completion"
 
@@ -32,7 +32,7 @@ class ChatShape(Shape):
         request_id: str,
         model: str,
         prompt_tokens: int,
-        logprobs: LogprobsShape | None,
+        logprobs: LogprobsFormat | None,
         index: int,
         tools: Tools | None,
     ) -> None:
@@ -149,12 +149,12 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return top if asked else None
 
 
-def shape(
+def reply(
     request_id: str, model: str, prompt_tokens: int, req: GenerateRequest, token_bytes: list[bytes], index: int
-) -> Shape:
+) -> Reply:
     logprobs = ChatLogprobs(token_bytes) if req.sampling.logprobs is not None else None
-    return ChatShape(request_id, model, prompt_tokens, logprobs, index, req.tools)
+    return ChatReply(request_id, model, prompt_tokens, logprobs, index, req.tools)
 
 
 async def chat_completions(request: Request) -> Response:
-    return await handle(request, "chatcmpl", parse, shape)
+    return await handle(request, "chatcmpl", parse, reply)

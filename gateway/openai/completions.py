@@ -13,12 +13,12 @@ from stallfree.gateway.inputs.protocol import GenerateRequest
 from stallfree.gateway.openai.api import handle, parse_openai
 from stallfree.gateway.openai.fields import COMPLETIONS
 from stallfree.gateway.openai.logprobs import CompletionLogprobs
-from stallfree.gateway.openai.replies import Shape, finish_of
+from stallfree.gateway.openai.replies import Reply, finish_of
 
 DEFAULTS: dict[str, Any] = {"temperature": 1.0, "max_tokens": 16}
 
 
-class CompletionShape(Shape):
+class CompletionReply(Reply):
     chunk_object = whole_object = "text_completion"
 
     def chunk(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -43,12 +43,12 @@ def parse(body: dict[str, Any], client: EngineClient) -> GenerateRequest:
     return parse_openai(body, client, DEFAULTS, COMPLETIONS, "completions")
 
 
-def shape(
+def reply(
     request_id: str, model: str, prompt_tokens: int, req: GenerateRequest, token_bytes: list[bytes], index: int
-) -> Shape:
+) -> Reply:
     logprobs = CompletionLogprobs(token_bytes) if req.sampling.logprobs is not None else None
-    return CompletionShape(request_id, model, prompt_tokens, logprobs, index)
+    return CompletionReply(request_id, model, prompt_tokens, logprobs, index)
 
 
 async def completions(request: Request) -> Response:
-    return await handle(request, "cmpl", parse, shape)
+    return await handle(request, "cmpl", parse, reply)

@@ -1,4 +1,4 @@
-"""Token log-probabilities in OpenAI's two shapes.
+"""Token log-probabilities in OpenAI's two formats.
 
 Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 Completions: ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``.
@@ -12,7 +12,7 @@ from typing import Any
 from stallfree.core.sched.batch import Logprobs
 
 
-class LogprobsShape:
+class LogprobsFormat:
     """One endpoint's logprobs for one choice: each piece's, and all of them (``whole``)."""
 
     def __init__(self, token_bytes: list[bytes]) -> None:
@@ -27,7 +27,7 @@ class LogprobsShape:
         return self.token_bytes[token].decode("utf-8", errors="replace")
 
 
-class ChatLogprobs(LogprobsShape):
+class ChatLogprobs(LogprobsFormat):
     def __init__(self, token_bytes: list[bytes]) -> None:
         super().__init__(token_bytes)
         self.whole = {"content": []}
@@ -49,7 +49,7 @@ class ChatLogprobs(LogprobsShape):
         }
 
 
-class CompletionLogprobs(LogprobsShape):
+class CompletionLogprobs(LogprobsFormat):
     def __init__(self, token_bytes: list[bytes]) -> None:
         super().__init__(token_bytes)
         self.offset = 0  # characters of completion text so far (text_offset)

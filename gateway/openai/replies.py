@@ -1,6 +1,7 @@
 """What both OpenAI endpoints build for one choice: its usage, logprobs and
 the envelope of its objects. Each endpoint's subclass says how a streamed
-piece and a whole reply look (``openai_completions``, ``openai_chat``)."""
+piece and a whole reply look (``gateway.openai.completions``,
+``gateway.openai.chat``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from typing import Any
 
 from stallfree.gateway.engine.pieces import Piece
-from stallfree.gateway.openai.logprobs import LogprobsShape
+from stallfree.gateway.openai.logprobs import LogprobsFormat
 
 
 def finish_of(piece: Piece) -> str:
@@ -18,11 +19,14 @@ def finish_of(piece: Piece) -> str:
     return piece.finish_reason or "stop"
 
 
-class Shape:
+class Reply:
+    """One choice's OpenAI reply as it is built: streamed chunks (``opening``,
+    ``stream``, ``chunk``) or the whole object (``whole``), with its usage."""
+
     chunk_object = ""  # the streamed objects' "object"
     whole_object = ""  # the whole reply's
 
-    def __init__(self, request_id: str, model: str, prompt_tokens: int, logprobs: LogprobsShape | None, index: int):
+    def __init__(self, request_id: str, model: str, prompt_tokens: int, logprobs: LogprobsFormat | None, index: int):
         self.id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
         self.logprobs = logprobs
         self.index = index  # the choice
