@@ -187,8 +187,7 @@ class EngineReplica:
             await asyncio.wrap_future(self.step_loop.call(lambda: self._set_config(job)))
 
     def _arrived(self, req: Request) -> None:
-        req.arrival_ns = time.perf_counter_ns()  # this replica's clock; the ingress restores its own arrival
-        req.timeline = Timeline(arrival_ns=req.arrival_ns)
+        req.timeline = Timeline(arrival_ns=time.perf_counter_ns())  # this replica's clock; the ingress keeps its own
 
     async def ping(self) -> str:
         """A call any replica answers: it makes the gateway's handle start its router."""

@@ -9,7 +9,7 @@ prefill, decode and recompute after preemption are all "catch up to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from stallfree.core.sched.handoff import KvHandoff
@@ -133,7 +133,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    arrival_ns: int
+    arrival: InitVar[int]  # perf_counter_ns; kept once, in the timeline (``arrival_ns``)
     priority: int = 0  # lower runs earlier, as in vLLM
     tenant: str = ""  # who pays: the API key's id (the fair policy shares the engine between tenants)
     # the prefix cache's scope: prompts hit only blocks cached under the same salt
@@ -161,8 +161,12 @@ class Request:
     last_token_iteration: int = 0  # iteration that produced the latest token
     timeline: Timeline = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.timeline = Timeline(arrival_ns=self.arrival_ns)
+    def __post_init__(self, arrival: int) -> None:
+        self.timeline = Timeline(arrival_ns=arrival)
+
+    @property
+    def arrival_ns(self) -> int:
+        return self.timeline.arrival_ns
 
     @property
     def imported_tokens(self) -> int:
