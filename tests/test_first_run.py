@@ -97,7 +97,8 @@ def test_the_image_file_set_starts_a_server(tmp_path):
         assert httpx.get(server.url + "/", timeout=10).status_code == 200  # the dashboard, from web/
     finally:
         server.stop()
-    where = "from stallfree import cli, core, gateway, kernels as k; print(cli.__file__, core.__file__, gateway.__file__, k.__file__)"
+    where = "import stallfree.cli as a, stallfree.core as b, stallfree.gateway as c, stallfree.kernels as d\n"
+    where += "print(a.__file__, b.__file__, c.__file__, d.__file__)"
     files = subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, cwd=tmp_path).stdout.split()
     assert len(files) == 4 and all(f.startswith(str(tmp_path)) for f in files), files  # not this checkout's
 
