@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> None:
 
 def run_capacity(args: argparse.Namespace) -> None:
     """Capacity under the SLO for each way of scheduling, on the trace."""
-    from stallfree.core.analysis.capacity import RELAXED, SLO, STRICT
+    from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT
     from stallfree.core.analysis.profiler import Profile
-    from stallfree.core.analysis.sim_capacity import Setup, capacities, goodput_capacities
+    from stallfree.core.analysis.simulated_capacity import Setup, capacities, goodput_capacities
     from stallfree.core.analysis.traces import read_trace
 
     if args.trace is None:
@@ -191,7 +191,7 @@ def run_capacity(args: argparse.Namespace) -> None:
 
 
 def format_capacity(doc: dict[str, Any]) -> str:
-    from stallfree.core.analysis.sim_capacity import figures_at_capacity
+    from stallfree.core.analysis.simulated_capacity import figures_at_capacity
 
     lines = [
         f"capacity on {doc['trace']} ({doc['replay']}; the window's own rate {doc['trace_rate_req_per_s']:.3g} req/s)",

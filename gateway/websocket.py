@@ -112,15 +112,15 @@ class Connection:
                             await self._dispatch(frame.get("type"), frame, tg)
                 finally:
                     self.closed = True
-                    for gen in self.gens.values():
-                        gen.cancelled = True
-                        if gen.request_id is not None:
-                            self.client.cancel(gen.request_id)
+                    for generation in self.gens.values():
+                        generation.cancelled = True
+                        if generation.request_id is not None:
+                            self.client.cancel(generation.request_id)
                     tg.cancel_scope.cancel()
         finally:  # every task has ended, so no stream can still turn up
-            for gen in self.gens.values():
-                if gen.stream is not None:
-                    gen.stream.close()
+            for generation in self.gens.values():
+                if generation.stream is not None:
+                    generation.stream.close()
 
     async def _parse(self, message: Mapping[str, Any]) -> dict[str, Any] | None:
         text = message.get("text")
@@ -149,13 +149,13 @@ class Connection:
                 await self.send({"type": "authenticated"})
         elif kind == "cancel":
             gen_id = _echo(frame.get("id"))
-            gen = self.gens.get(gen_id) if gen_id is not None else None
-            if gen is None:
+            generation = self.gens.get(gen_id) if gen_id is not None else None
+            if generation is None:
                 await self.error("invalid_request", "cancel needs the id of a running generation", gen_id)
                 return
-            gen.cancelled = True
-            if gen.request_id is not None:
-                self.client.cancel(gen.request_id)
+            generation.cancelled = True
+            if generation.request_id is not None:
+                self.client.cancel(generation.request_id)
         elif kind == "generate":
             gen_id = frame.get("id")
             if not isinstance(gen_id, str) or not 0 < len(gen_id) <= 128:
@@ -176,27 +176,27 @@ class Connection:
 
     async def _start(self, gen_id: str, frame: dict[str, Any]) -> None:
         """Validate, tokenize (off the loop) and submit; the writer streams the rest."""
-        gen = self.gens[gen_id]
+        generation = self.gens[gen_id]
         try:
-            req = await parse_off_loop(_parse, frame, self.client)
-            req.tenant = self.tenant
+            gen = await parse_off_loop(_parse, frame, self.client)
+            gen.tenant = self.tenant
             timestamps = boolean(frame, "timestamps")
-            if req.traceparent is None:
-                req.traceparent = self.ws.headers.get("traceparent")
+            if gen.traceparent is None:
+                gen.traceparent = self.ws.headers.get("traceparent")
             request_id = self.client.new_id("ws")
-            stream, gen.prompt_tokens = await self.client.submit(req, request_id)
+            stream, generation.prompt_tokens = await self.client.submit(gen, request_id)
         except ProtocolError as exc:
             self.gens.pop(gen_id, None)
             await self.error(exc.code, exc.message, gen_id, exc.retry_after_s)
             return
-        gen.request_id, gen.stream = request_id, stream
-        gen.timestamps = timestamps
-        gen.maker = PieceMaker(
-            self.client.tokenizer.token_bytes, req.sampling.stop, lambda: self.client.cancel(request_id)
+        generation.request_id, generation.stream = request_id, stream
+        generation.timestamps = timestamps
+        generation.maker = PieceMaker(
+            self.client.tokenizer.token_bytes, gen.sampling.stop, lambda: self.client.cancel(request_id)
         )
-        if gen.cancelled:  # cancelled (or disconnected) while tokenizing
+        if generation.cancelled:  # cancelled (or disconnected) while tokenizing
             self.client.cancel(request_id)
-        accepted: dict[str, Any] = {"type": "accepted", "id": gen_id, "prompt_tokens": gen.prompt_tokens}
+        accepted: dict[str, Any] = {"type": "accepted", "id": gen_id, "prompt_tokens": generation.prompt_tokens}
         if stream.verdict is not None:  # admission's prediction under a TTFT target
             accepted["predicted_ttft_ms"] = round(stream.verdict.predicted_s * 1e3)
             accepted["best_effort"] = not stream.verdict.on_time
@@ -235,23 +235,23 @@ class Connection:
         return now - self._taken_at > self.settings.slow_consumer_s
 
     def _cut_off(self) -> None:
-        for gen in self.gens.values():
-            if gen.request_id is not None:
-                self.client.cut_off(gen.request_id, unacked_bytes=self._last_unacked)
+        for generation in self.gens.values():
+            if generation.request_id is not None:
+                self.client.cut_off(generation.request_id, unacked_bytes=self._last_unacked)
 
     def _encode_output(self, gen_id: str, out: list[bytes]) -> None:
         """Encode what the generation has produced onto ``out`` (nothing here awaits,
         so frames from one wake-up go out together and in order)."""
-        gen = self.gens.get(gen_id)
-        if gen is None or gen.stream is None or gen.maker is None:
+        generation = self.gens.get(gen_id)
+        if generation is None or generation.stream is None or generation.maker is None:
             return
-        for piece in ready_pieces(gen.stream, gen.maker):
+        for piece in ready_pieces(generation.stream, generation.maker):
             if isinstance(piece, ProtocolError):
                 self.gens.pop(gen_id, None)
                 _encode(self._error(piece.code, piece.message, gen_id), out)
                 return
             if piece.token_ids or piece.text:
-                gen.sent_tokens += len(piece.token_ids)
+                generation.sent_tokens += len(piece.token_ids)
                 frame = {"type": "token", "id": gen_id, "index": piece.index, "text": piece.text}
                 frame["token_ids"] = piece.token_ids
                 if piece.logprobs is not None:
@@ -259,13 +259,13 @@ class Connection:
                         {"token_id": t, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
                         for t, lp in zip(piece.token_ids, piece.logprobs, strict=True)
                     ]
-                if gen.timestamps:  # when the engine produced these tokens, and when this frame goes out
+                if generation.timestamps:  # when the engine produced these tokens, and when this frame goes out
                     frame["emit_ns"] = piece.emit_ns
                     frame["sent_ns"] = time.perf_counter_ns()
                 _encode(frame, out)
             if piece.finish_reason is not None:
                 self.gens.pop(gen_id, None)
-                _encode(_done(gen_id, piece, gen.prompt_tokens, gen.sent_tokens), out)
+                _encode(_done(gen_id, piece, generation.prompt_tokens, generation.sent_tokens), out)
                 return
 
 

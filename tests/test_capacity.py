@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stallfree.core.analysis.capacity import SLO, Search, Trial, budget_for, search, trial_from
+from stallfree.core.analysis.capacity_search import SLO, Search, Trial, budget_for, search, trial_from
 from stallfree.core.analysis.cost_model import CostModel
 from stallfree.core.analysis.simulator import load_trace, report, simulate
 from stallfree.core.analysis.traces import Replay

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from stallfree.core.analysis.capacity import SLO, Goodput, Search, Trial, search, trial_from
+from stallfree.core.analysis.capacity_search import SLO, Goodput, Search, Trial, search, trial_from
 from stallfree.loadtest.generator import Arrival, OpenAITarget, Result, summarize
 from stallfree.loadtest.report import _extras
 

@@ -8,7 +8,7 @@
 Capacity is the highest arrival rate at which the P99 gap between tokens
 (every output token of every request) stays within the SLO and the median
 scheduling delay within 2 s, found by a binary search to 2.5 % over replays
-of the trace at scaled rates (``core.analysis.capacity``). Every trial of
+of the trace at scaled rates (``core.analysis.capacity_search``). Every trial of
 every search replays the same requests: the trace's first ``--requests``,
 their arrival pattern the trace's own, scaled to the trial's mean rate, so
 a higher rate is the same work sooner and the search is monotone in it.
@@ -62,7 +62,7 @@ import torch
 
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
-from stallfree.core.analysis.capacity import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
+from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from stallfree.core.analysis.online_cost import OnlineCost
 from stallfree.core.analysis.profiler import Profile, choose_budget
 from stallfree.core.analysis.simulator import report, simulate, trace_arrivals

@@ -10,7 +10,7 @@ between tokens stayed within the TBT SLO: Sarathi-Serve's strict one, 5 x
 the decode-only iteration, measured at the start as ``bench.serving.capacity``
 does (the slower engine's). Goodput capacity is the highest arrival rate at
 which at least 90 % of the requests were good, a refused one counting as
-not good (``core.analysis.capacity.Goodput``), found by the same search as
+not good (``core.analysis.capacity_search.Goodput``), found by the same search as
 capacity (to 2.5 %, at most ``--max-trials`` trials) over one fixed request
 set: the trace's first ``--requests``, their arrival pattern the trace's own
 at the trial's mean rate, lengths scaled as ``bench.serving.capacity``
@@ -73,7 +73,7 @@ from bench.serving.capacity import (
     replay_trial,
     vllm_at,
 )
-from stallfree.core.analysis.capacity import STRICT, Goodput, Search, Trial, search, trial_from
+from stallfree.core.analysis.capacity_search import STRICT, Goodput, Search, Trial, search, trial_from
 from stallfree.core.analysis.profiler import Profile
 from stallfree.core.analysis.simulator import report, simulate, trace_arrivals
 from stallfree.core.analysis.traces import TraceRequest, read_trace, replay

@@ -30,10 +30,10 @@ import time
 from typing import Any
 
 from bench.serving.capacity import TRACE_SPECS
-from stallfree.core.analysis.capacity import RELAXED, SLO, STRICT
+from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT
 from stallfree.core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
 from stallfree.core.analysis.disagg_plan import Link
-from stallfree.core.analysis.sim_capacity import Setup, capacities, figures_at_capacity, goodput_capacities
+from stallfree.core.analysis.simulated_capacity import Setup, capacities, figures_at_capacity, goodput_capacities
 from stallfree.core.analysis.traces import Replay, read_trace
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 

@@ -130,12 +130,12 @@ class EngineClient:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def submit(self, req: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
+    async def submit(self, gen: GenerateRequest, request_id: str) -> tuple[RequestStream, int]:
         """Queue a request; returns its stream and prompt length. Raises ProtocolError."""
-        streams, prompt_tokens = await self.submit_choices(req, request_id, 1)
+        streams, prompt_tokens = await self.submit_choices(gen, request_id, 1)
         return streams[0], prompt_tokens
 
-    async def submit_choices(self, req: GenerateRequest, request_id: str, n: int) -> tuple[list[RequestStream], int]:
+    async def submit_choices(self, gen: GenerateRequest, request_id: str, n: int) -> tuple[list[RequestStream], int]:
         """Queue n choices of one prompt (OpenAI's ``n``): tokenized once; the
         first choice's prompt is computed and the others share its KV blocks
         (``Request.prefill_after``). Choice i > 0 is ``<request_id>-<i>``, with
@@ -145,13 +145,13 @@ class EngineClient:
             raise ProtocolError("unavailable", f"the engine stopped: {self.fatal}")
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down")
-        self.admission.check_rate(req.tenant)
-        ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, req), req.tenant)
-        self.admission.reserve(req.tenant, len(ids))
-        verdict = self._forecast(req, len(ids))
-        sampling = req.sampling
+        self.admission.check_rate(gen.tenant)
+        ids = await self.admission.tokenize(lambda: prompt_ids(self.tokenizer, gen), gen.tenant)
+        self.admission.reserve(gen.tenant, len(ids))
+        verdict = self._forecast(gen, len(ids))
+        sampling = gen.sampling
         limit = self.snapshot.config.max_model_len
-        if not req.max_tokens_given:
+        if not gen.max_tokens_given:
             sampling.max_tokens = max(1, limit - len(ids))
         streams: list[RequestStream] = []
         for i in range(n):
@@ -159,34 +159,34 @@ class EngineClient:
             choice_sampling = sampling
             if i and sampling.seed is not None:  # the same seed would draw the same tokens n times
                 choice_sampling = dataclasses.replace(sampling, seed=hash((sampling.seed, i)) & (2**63 - 1))
-            request = Request(choice_id, ids, choice_sampling, arrival_ns, req.priority, req.tenant)
-            request.cache_salt = "" if self.settings.share_prefix_cache else req.tenant  # each key hits its own blocks
-            request.prefill_after = request_id if i else None
-            request.ttft_slo_ms = req.ttft_slo_ms
+            req = Request(choice_id, ids, choice_sampling, arrival_ns, gen.priority, gen.tenant)
+            req.cache_salt = "" if self.settings.share_prefix_cache else gen.tenant  # each key hits its own blocks
+            req.prefill_after = request_id if i else None
+            req.ttft_slo_ms = gen.ttft_slo_ms
             try:
-                streams.append(self._queue(request, req, len(ids) if i == 0 else 0))
+                streams.append(self._queue(req, gen, len(ids) if i == 0 else 0))
                 streams[-1].verdict = verdict
             except ProtocolError:  # the choices already queued have nobody to read them
                 for stream in streams:
                     self.cancel(stream.request_id)
                     stream.close()
-                self.admission.charge(req.tenant, -len(ids))  # nothing ran: the prompt's tokens go back
+                self.admission.charge(gen.tenant, -len(ids))  # nothing ran: the prompt's tokens go back
                 raise
         return streams, len(ids)
 
-    def _forecast(self, req: GenerateRequest, prompt_tokens: int) -> Verdict | None:
+    def _forecast(self, gen: GenerateRequest, prompt_tokens: int) -> Verdict | None:
         """Admission's prediction of the first token under a TTFT target; with
         ``shed_load``, a prompt only the queue makes late is refused here, before
         it costs any KV or prefill (429, Retry-After from the forecast)."""
         snapshot = self.snapshot
-        target = req.ttft_slo_ms if req.ttft_slo_ms is not None else snapshot.config.ttft_slo_ms
+        target = gen.ttft_slo_ms if gen.ttft_slo_ms is not None else snapshot.config.ttft_slo_ms
         verdict = self.admission.predict(snapshot.counts.forecast, prompt_tokens, target)
         if verdict is None:
             return None
         shed = verdict.refusable and self.settings.shed_load
         self.metrics.on_admission("on_time" if verdict.on_time else "shed" if shed else "late")
         if shed:
-            self.admission.charge(req.tenant, -prompt_tokens)  # nothing ran: the prompt's tokens go back
+            self.admission.charge(gen.tenant, -prompt_tokens)  # nothing ran: the prompt's tokens go back
             why = (
                 f"predicted time to first token {verdict.predicted_s * 1e3:.0f} ms exceeds the TTFT target "
                 f"{target:g} ms; retry in {verdict.retry_after_s} s"
@@ -194,11 +194,11 @@ class EngineClient:
             raise ProtocolError("overloaded", why, None, verdict.retry_after_s)
         return verdict
 
-    def _queue(self, request: Request, req: GenerateRequest, new_prompt_tokens: int) -> RequestStream:
-        """Hand request to the engine; ``new_prompt_tokens``: what it adds to the queue's prefill."""
-        request_id = request.request_id
+    def _queue(self, req: Request, gen: GenerateRequest, new_prompt_tokens: int) -> RequestStream:
+        """Hand req to the engine; ``new_prompt_tokens``: what it adds to the queue's prefill."""
+        request_id = req.request_id
         try:
-            future = self.backend.submit(request)
+            future = self.backend.submit(req)
         except RequestRejected as exc:
             raise ProtocolError(exc.code, str(exc)) from None
         except ValueError as exc:
@@ -206,10 +206,10 @@ class EngineClient:
         self.admission.sent(new_prompt_tokens)
         stream = RequestStream(request_id, self.settings.stream_queue_frames, self.settings.slow_consumer_s)
         self._streams[request_id] = stream
-        self.admission.queued(request_id, request.tenant)
+        self.admission.queued(request_id, req.tenant)
         self._last_submit_ns = time.perf_counter_ns()
-        operation = "chat" if req.messages is not None else "text_completion"
-        self._observe(lambda obs: obs.on_submit(request, operation, self.settings.model_name, req.traceparent))
+        operation = "chat" if gen.messages is not None else "text_completion"
+        self._observe(lambda obs: obs.on_submit(req, operation, self.settings.model_name, gen.traceparent))
         future.add_done_callback(lambda f: self._submit_failed(request_id, f.exception()) if f.exception() else None)
         return stream
 

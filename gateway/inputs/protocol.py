@@ -61,6 +61,13 @@ class ProtocolError(Exception):
 
 @dataclass(slots=True)
 class GenerateRequest:
+    """One generation as a client asked for it, whichever transport it came by
+    (OpenAI's HTTP API or the WebSocket): what the gateway admits and hands to
+    ``EngineClient.submit``. The gateway names it ``gen`` everywhere; ``req`` is
+    the engine's ``core.sched.request.Request`` built from it, and a ``request``
+    variable is only ever an HTTP handler's starlette ``Request`` (fields such
+    as ``Piece.request`` keep their names)."""
+
     messages: list[dict[str, Any]] | None  # chat: rendered with the model's template
     prompt: str | None  # raw text
     sampling: SamplingParams
@@ -220,11 +227,11 @@ def parse_generate(body: dict[str, Any], defaults: dict[str, Any], max_model_len
         speculate=boolean(body, "speculate", True),
     )
     priority = integer(body, "priority", 0, -(2**31), 2**31 - 1) or 0
-    req = GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
+    gen = GenerateRequest(messages, prompt, sampling, max_tokens is not None, priority, traceparent)
     if body.get("ttft_slo_ms") is not None:  # the server's limits on the setting bound the field
         _, low, high = RANGES["ttft_slo_ms"]
-        req.ttft_slo_ms = _float(body, "ttft_slo_ms", 0.0, low, high)
-    return req
+        gen.ttft_slo_ms = _float(body, "ttft_slo_ms", 0.0, low, high)
+    return gen
 
 
 def _grammar(response_format: Any) -> str | None:

@@ -100,7 +100,7 @@ class ReplyMaker(Protocol):
         request_id: str,
         model: str,
         prompt_tokens: int,
-        req: GenerateRequest,
+        gen: GenerateRequest,
         token_bytes: list[bytes],
         index: int,
     ) -> Reply: ...
@@ -117,23 +117,23 @@ async def handle(
     client: EngineClient = request.app.state.client
     try:
         body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
-        req = await parse_off_loop(parse, body, client)
-        if req.traceparent is None:
-            req.traceparent = request.headers.get("traceparent")
-        req.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
+        gen = await parse_off_loop(parse, body, client)
+        if gen.traceparent is None:
+            gen.traceparent = request.headers.get("traceparent")
+        gen.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
         request_id = client.new_id(prefix)
         n = integer(body, "n", 1, 1, MAX_CHOICES) or 1
-        if n > 1 and req.tools is not None:
+        if n > 1 and gen.tools is not None:
             raise ProtocolError("invalid_request", "n: more than one choice with tools is not supported", param="n")
-        streams, prompt_tokens = await client.submit_choices(req, request_id, n)
+        streams, prompt_tokens = await client.submit_choices(gen, request_id, n)
     except ProtocolError as exc:
         client.report_error(exc.code)
         return error_response(exc.code, exc.message, exc.retry_after_s, exc.param)
     model = client.settings.model_name  # the served model's id, never the client's string (echoed per chunk)
     token_bytes = client.tokenizer.token_bytes
     ids = [s.request_id for s in streams]
-    makers = [PieceMaker(token_bytes, req.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
-    replies = [reply(request_id, model, prompt_tokens, req, token_bytes, i) for i in range(n)]
+    makers = [PieceMaker(token_bytes, gen.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
+    replies = [reply(request_id, model, prompt_tokens, gen, token_bytes, i) for i in range(n)]
     return await _respond(request, client, body, streams, makers, replies)
 
 

