@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from stallfree.core.analysis.simulated_capacity import good_share
 from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
+from stallfree.core.analysis.simulated_capacity import good_share
 from stallfree.core.analysis.simulator import Arrival, report, simulate
 from stallfree.core.sched.config import CacheConfig, Policy, SchedulerConfig
 from stallfree.core.sched.deadline import Forecast, Pace, slack_s, verdict
