@@ -9,6 +9,7 @@ from stallfree.core.analysis.cost_model import CostModel
 from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
 from stallfree.core.sched.batch import IterationRecord
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.request import Request, SamplingParams
 
@@ -34,16 +35,23 @@ def sim_engine(
     num_blocks: int = 256,
     block_size: int = 4,
     prefix_caching: bool = True,
-    cost: CostModel | None = None,
+    cost: IterationCost | None = None,
     vocab_size: int = 32000,
+    *,
+    runs: IterationCost | None = None,
+    time_scale: float = 1.0,
+    read_context: bool = True,
     **sched,
 ) -> Engine:
     """An engine on SimRunner with a virtual clock (engine.clock); by default
     the article's model and GPU, with attention. A small ``vocab_size`` makes
-    its outputs repeat, so prompt lookup finds drafts (tokens 17..vocab_size-1)."""
+    its outputs repeat, so prompt lookup finds drafts (tokens 17..vocab_size-1).
+    ``cost`` is what the engine predicts with; ``runs`` (default: the same) and
+    ``time_scale`` what the simulated machine takes; ``read_context=False``
+    samples from the last token alone (no KV read back)."""
     clock = VirtualClock()
     cost = cost or CostModel(attention=True)
-    runner = SimRunner(cost, block_size, clock, vocab_size)
+    runner = SimRunner(runs or cost, block_size, clock, vocab_size, time_scale, read_context)
     sched.setdefault("max_num_seqs", 8)
     sched.setdefault("token_budget", 32)
     return Engine(

@@ -11,21 +11,19 @@ import pytest
 from stallfree.core.analysis.cost_model import CostModel
 from stallfree.core.analysis.disagg_plan import Link
 from stallfree.core.analysis.disagg_sim import simulate_colocated, simulate_disaggregated
-from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
 from stallfree.core.analysis.simulator import scenario
 from stallfree.core.cluster.stats import prompt_hashes
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.handoff import KvHandoff
 from stallfree.core.sched.request import Request, RequestStatus, SamplingParams
+from tests.simkit import sim_engine
 
 BS = 16
 
 
 def _engine() -> Engine:
-    clock = VirtualClock()
-    runner = SimRunner(CostModel(), BS, clock, read_context=False)
-    return Engine(SchedulerConfig(token_budget=256), CacheConfig(64, BS), runner, clock)
+    return sim_engine(64, BS, cost=CostModel(), read_context=False, token_budget=256, max_num_seqs=64)
 
 
 def test_an_imported_prompt_goes_straight_to_decoding_on_fresh_blocks():
@@ -123,8 +121,7 @@ def _disaggregated(prefill: Engine, decode: Engine, prompt: list[int], n: int, c
 
 
 def _sim_engine() -> Engine:
-    clock = VirtualClock()
-    return Engine(SchedulerConfig(token_budget=32), CacheConfig(64, BS), SimRunner(CostModel(), BS, clock), clock)
+    return sim_engine(64, BS, cost=CostModel(), token_budget=32, max_num_seqs=64)
 
 
 def test_transferred_kv_gives_the_tokens_colocated_serving_gives():

@@ -11,19 +11,18 @@ import pytest
 from stallfree.core.analysis.chat_workload import ChatWorkload
 from stallfree.core.analysis.cluster_sim import cluster_report, simulate_cluster
 from stallfree.core.analysis.cost_model import CostModel
-from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
 from stallfree.core.cluster.router import CostAware, Prompt, make_router
 from stallfree.core.cluster.stats import ReplicaStats, engine_stats, prompt_hashes
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.request import Request, SamplingParams
+from tests.simkit import sim_engine
 
 BS = 16
 
 
 def _engine(blocks: int = 256) -> Engine:
-    clock = VirtualClock()
-    return Engine(SchedulerConfig(token_budget=256), CacheConfig(blocks, BS), SimRunner(CostModel(), BS, clock), clock)
+    return sim_engine(blocks, BS, cost=CostModel(), token_budget=256, max_num_seqs=64)
 
 
 def _run(engine: Engine) -> None:

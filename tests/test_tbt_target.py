@@ -20,7 +20,7 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.request import RequestStatus
 from stallfree.core.sched.timings import weighted_percentile
-from tests.simkit import request, run_to_completion
+from tests.simkit import request, run_to_completion, sim_engine
 from tests.simkit import step_items as step
 
 
@@ -37,10 +37,8 @@ class FakeCost:
 
 
 def engine(cost=None, **sched) -> Engine:
-    cost = cost or FakeCost()
-    clock = VirtualClock()
     sched = {"token_budget": 256, "max_num_seqs": 64, "tbt_slo_ms": 50.0, **sched}
-    return Engine(SchedulerConfig(**sched), CacheConfig(2048, 16), SimRunner(cost, 16, clock), clock, cost)
+    return sim_engine(2048, 16, cost=cost or FakeCost(), **sched)
 
 
 def decoding(e: Engine, n: int, max_tokens: int = 200) -> None:
@@ -151,10 +149,8 @@ def test_the_setting_changes_live_and_needs_a_cost_model():
 
 
 def test_a_missed_target_is_counted_as_a_misprediction_when_it_was_sized_within():
-    slow = FakeCost()
-    clock = VirtualClock()
-    runner = SimRunner(slow, 16, clock, time_scale=1.5)  # runs 1.5 x what the fixed model predicts
-    e = Engine(SchedulerConfig(token_budget=256, tbt_slo_ms=50.0), CacheConfig(512, 16), runner, clock, FakeCost())
+    # runs 1.5 x what the fixed model predicts
+    e = sim_engine(512, 16, cost=FakeCost(), time_scale=1.5, token_budget=256, max_num_seqs=64, tbt_slo_ms=50.0)
     decoding(e, 4)
     e.add_request(request("p", 500))
     _, it = step(e)
@@ -164,10 +160,9 @@ def test_a_missed_target_is_counted_as_a_misprediction_when_it_was_sized_within(
 
 def test_online_correction_follows_a_runner_whose_speed_changes():
     base = CostModel(attention=True, kv_reads=True)
-    clock = VirtualClock()
-    runner = SimRunner(base, 16, clock, time_scale=0.5)
     cost = OnlineCost(base)
-    e = Engine(SchedulerConfig(token_budget=128, max_num_seqs=16), CacheConfig(4096, 16), runner, clock, cost)
+    e = sim_engine(4096, 16, cost=cost, runs=base, time_scale=0.5, token_budget=128, max_num_seqs=16)
+    clock, runner = e.clock, e.runner
 
     def ratios(iterations: int) -> tuple[list[float], list[float]]:
         decode_only, mixed = [], []
@@ -207,10 +202,8 @@ def test_the_aim_sizes_to_the_gap_decodes_got_not_to_the_prediction():
     # the runner is 1.2 x slower than the (fixed) model says: sized to the whole
     # target, every iteration would miss; the aim, 1 over the 99.9th percentile of
     # gap / predicted time, sizes to 1 / 1.2 of it once 16 iterations have told it
-    clock = VirtualClock()
-    runner = SimRunner(FakeCost(), 16, clock, time_scale=1.2)
-    config = SchedulerConfig(token_budget=256, max_num_seqs=64, tbt_slo_ms=50.0, max_model_len=65_536)
-    e = Engine(config, CacheConfig(8192, 16), runner, clock, FakeCost())
+    config = {"token_budget": 256, "max_num_seqs": 64, "tbt_slo_ms": 50.0, "max_model_len": 65_536}
+    e = sim_engine(8192, 16, cost=FakeCost(), time_scale=1.2, **config)
     decoding(e, 4, max_tokens=5000)
     missed = []
     for i in range(300):
@@ -237,9 +230,8 @@ def test_the_aim_counts_an_iteration_once_per_decode_as_the_slos_p99_counts_toke
     # one crowded iteration in 150 runs 1.25 x its prediction: under 1 % of the
     # iterations, but its 21 gaps are 14 % of the tokens' gaps, which the client's
     # P99 counts; counted once per iteration, the aim would not see it at all
-    clock = VirtualClock()
-    config = SchedulerConfig(token_budget=256, max_num_seqs=64, tbt_slo_ms=50.0, max_model_len=65_536)
-    e = Engine(config, CacheConfig(8192, 16), SimRunner(SlowWhenCrowded(), 16, clock), clock, FakeCost())
+    config = {"token_budget": 256, "max_num_seqs": 64, "tbt_slo_ms": 50.0, "max_model_len": 65_536}
+    e = sim_engine(8192, 16, cost=FakeCost(), runs=SlowWhenCrowded(), **config)
     decoding(e, 1, max_tokens=5000)
     crowded = 0
     for i in range(450):
