@@ -95,6 +95,8 @@ def parse_openai(
 
 
 class ReplyMaker(Protocol):
+    """An endpoint's ``reply``: the ``Reply`` that builds choice ``index``'s objects."""
+
     def __call__(
         self,
         request_id: str,
@@ -106,6 +108,9 @@ class ReplyMaker(Protocol):
     ) -> Reply: ...
 
 
+MAX_CHOICES = 16
+
+
 async def handle(
     request: Request,
     prefix: str,
@@ -113,7 +118,8 @@ async def handle(
     reply: ReplyMaker,
 ) -> Response:
     """One endpoint's request: read, parse (the endpoint's ``parse``), admit its
-    choices, then answer with one ``reply`` per choice."""
+    choices (OpenAI's ``n``), then answer with one ``reply`` per choice: as one
+    interleaved SSE stream (``_stream``) or in one response (``_whole``)."""
     client: EngineClient = request.app.state.client
     try:
         body = await read_json(request, client.settings.max_body_bytes, client.settings.body_timeout_s)
@@ -134,14 +140,100 @@ async def handle(
     ids = [s.request_id for s in streams]
     makers = [PieceMaker(token_bytes, gen.sampling.stop, functools.partial(client.cancel, rid)) for rid in ids]
     replies = [reply(request_id, model, prompt_tokens, gen, token_bytes, i) for i in range(n)]
-    return await _respond(request, client, body, streams, makers, replies)
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return _stream(client, streams, makers, replies, include_usage)
+    return await _whole(request, client, streams, makers, replies)
 
 
-MAX_CHOICES = 16
+def _stream(
+    client: EngineClient,
+    streams: list[RequestStream],
+    makers: list[PieceMaker],
+    replies: list[Reply],
+    include_usage: bool,
+) -> StreamingResponse:
+    """Every choice in one interleaved SSE stream: the openings, each piece's
+    chunks as it comes (``data: {...}``), the usage when asked, then
+    ``data: [DONE]``. The one place a token is written to the socket for
+    OpenAI streaming: starlette sends each event ``_events`` yields as it comes.
+    However the stream ends (a client gone mid-stream included), every choice
+    is cancelled and its KV freed."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **admission_headers(streams[0].verdict)}
+    events = _events(client, streams, makers, replies, include_usage)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+async def _events(
+    client: EngineClient,
+    streams: list[RequestStream],
+    makers: list[PieceMaker],
+    replies: list[Reply],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """``_stream``'s body, event by event."""
+    try:
+        for reply in replies:
+            for chunk in reply.opening():
+                yield _event(chunk)
+        async for i, item in _choice_pieces(streams, makers):
+            if isinstance(item, ProtocolError):
+                client.report_error(item.code)
+                yield _event(error_body(item.code, item.message))
+                continue
+            replies[i].count(item)
+            for chunk in replies[i].stream(item):
+                yield _event(chunk)
+        if include_usage:
+            yield _event({**replies[0].chunk(None, None), "choices": [], "usage": _usage(replies)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        _cancel_all(client, streams)  # finished choices are no-ops; a client gone mid-stream frees them all
+
+
+async def _whole(
+    request: Request,
+    client: EngineClient,
+    streams: list[RequestStream],
+    makers: list[PieceMaker],
+    replies: list[Reply],
+) -> Response:
+    """Every choice in one JSON reply, once all have ended. A client that goes
+    away first cancels every choice and frees its KV (499)."""
+    parts: list[list[str]] = [[] for _ in streams]
+    choices: list[dict[str, Any] | None] = [None] * len(streams)
+    failure: ProtocolError | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
+            async for i, item in _choice_pieces(streams, makers):
+                if isinstance(item, ProtocolError):
+                    failure = item
+                    break
+                parts[i].append(item.text)
+                replies[i].count(item)
+                replies[i].piece_logprobs(item)
+                if item.finish_reason:
+                    choices[i] = replies[i].whole("".join(parts[i]), finish_of(item))["choices"][0]
+            tg.cancel_scope.cancel()
+    finally:
+        _cancel_all(client, streams)
+    if failure is not None:
+        client.report_error(failure.code)
+        return error_response(failure.code, failure.message)
+    if any(c is None for c in choices):  # the client went away
+        return Response(status_code=499)
+    whole = replies[0].whole("", "stop")
+    return JSONResponse(
+        {**whole, "choices": choices, "usage": _usage(replies)}, headers=admission_headers(streams[0].verdict)
+    )
+
+
+async def _watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` when the client goes away (a non-streaming reply reads nothing else)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 async def _choice_pieces(
@@ -165,87 +257,25 @@ async def _choice_pieces(
             wake[0] = anyio.Event()
 
 
-async def _respond(
-    request: Request,
-    client: EngineClient,
-    body: dict[str, Any],
-    streams: list[RequestStream],
-    makers: list[PieceMaker],
-    replies: list[Reply],
-) -> Response:
-    """Every choice of one prompt (OpenAI's ``n``), in one response or one
-    interleaved SSE stream (``data: {...}`` chunks, then ``data: [DONE]``).
-    A client that goes away cancels every choice and frees its KV."""
+def _usage(replies: list[Reply]) -> dict[str, Any]:
+    """The usage of all the choices together: one prompt, every choice's completion."""
+    completion = sum(r.completion_tokens for r in replies)
+    return {
+        **replies[0].usage(),
+        "completion_tokens": completion,
+        "total_tokens": replies[0].prompt_tokens + completion,
+    }
 
-    def usage() -> dict[str, Any]:
-        completion = sum(s.completion_tokens for s in replies)
-        return {
-            **replies[0].usage(),
-            "completion_tokens": completion,
-            "total_tokens": replies[0].prompt_tokens + completion,
-        }
 
-    def cancel_all() -> None:
-        for s in streams:
-            client.cancel(s.request_id)
-            s.close()
+def _cancel_all(client: EngineClient, streams: list[RequestStream]) -> None:
+    """Abort every choice (finished ones are no-ops) and close its stream."""
+    for s in streams:
+        client.cancel(s.request_id)
+        s.close()
 
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                for reply in replies:
-                    for chunk in reply.opening():
-                        yield _event(chunk)
-                async for i, item in _choice_pieces(streams, makers):
-                    if isinstance(item, ProtocolError):
-                        client.report_error(item.code)
-                        yield _event(error_body(item.code, item.message))
-                        continue
-                    replies[i].count(item)
-                    for chunk in replies[i].stream(item):
-                        yield _event(chunk)
-                if include_usage:
-                    yield _event({**replies[0].chunk(None, None), "choices": [], "usage": usage()})
-                yield b"data: [DONE]\n\n"
-            finally:
-                cancel_all()  # finished choices are no-ops; a client gone mid-stream frees them all
-
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **admission_headers(streams[0].verdict)}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-    parts: list[list[str]] = [[] for _ in streams]
-    choices: list[dict[str, Any] | None] = [None] * len(streams)
-    failure: ProtocolError | None = None
-
-    async def watch_disconnect(scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect, tg.cancel_scope)
-            async for i, item in _choice_pieces(streams, makers):
-                if isinstance(item, ProtocolError):
-                    failure = item
-                    break
-                parts[i].append(item.text)
-                replies[i].count(item)
-                replies[i].piece_logprobs(item)
-                if item.finish_reason:
-                    choices[i] = replies[i].whole("".join(parts[i]), finish_of(item))["choices"][0]
-            tg.cancel_scope.cancel()
-    finally:
-        cancel_all()
-    if failure is not None:
-        client.report_error(failure.code)
-        return error_response(failure.code, failure.message)
-    if any(c is None for c in choices):  # the client went away
-        return Response(status_code=499)
-    whole = replies[0].whole("", "stop")
-    return JSONResponse({**whole, "choices": choices, "usage": usage()}, headers=admission_headers(streams[0].verdict))
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def admission_headers(verdict: Verdict | None) -> dict[str, str]:
