@@ -36,6 +36,13 @@ class EngineStopped(RuntimeError):
 
 
 class StepListener(Protocol):
+    """What a ``StepLoop`` reports to, always from its step thread: the
+    gateway's ``EngineClient`` when the loop runs in the server's process, the
+    forwarder to the pipe in an engine process, a scale-out replica.
+    ``gateway.engine.backend.EngineListener`` extends it for every engine
+    backend: the same two calls, but from whichever thread the backend reports
+    on, and the replicas' reports besides."""
+
     def on_step(self, out: StepOutput) -> None:
         """An iteration's outputs (on the step thread)."""
 

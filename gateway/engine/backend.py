@@ -14,16 +14,18 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from stallfree.core.cluster.stats import ReplicaStats
-from stallfree.core.sched.engine import EngineSnapshot, StepOutput
+from stallfree.core.sched.engine import EngineSnapshot
 from stallfree.core.sched.request import Request
+from stallfree.core.sched.step_loop import StepListener
 
 
-class EngineListener(Protocol):
-    def on_step(self, out: StepOutput) -> None:
-        """An iteration's outputs, or requests that ended outside one; from any thread."""
-
-    def on_fatal(self, reason: str) -> None:
-        """The engine stopped for good; from any thread."""
+class EngineListener(StepListener, Protocol):
+    """What an ``EngineBackend`` reports to (the ``EngineClient``): a
+    ``StepListener``'s ``on_step`` (an iteration's outputs, or requests that
+    ended outside one) and ``on_fatal``, but called from any thread, as the
+    backend has them: the step thread (``StepLoop``) or the event loop
+    (``EngineProcess`` reading its pipe, ``RemoteEngine``). Adds
+    ``on_replicas``, always on the event loop."""
 
     def on_replicas(self, stats: list[ReplicaStats]) -> None:
         """Each replica's latest report (replicas only), on the event loop."""
