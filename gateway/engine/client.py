@@ -41,9 +41,9 @@ log = structlog.get_logger(__name__)
 
 
 class EngineClient:
-    """``engine``: run it on this process's step thread; or ``remote``: build
-    the stand-in that drives engines elsewhere (``scaleout.remote``) from
-    this client's callbacks."""
+    """Drives one ``EngineBackend``, built whole before it (the engine process,
+    this process's step loop, or replicas on Ray: ``gateway.engine.backend``),
+    and is the ``EngineListener`` it reports to once started."""
 
     def __init__(
         self,

@@ -8,16 +8,16 @@ from stallfree.gateway.inputs.protocol import GenerateRequest, ProtocolError
 from stallfree.gateway.inputs.tools import template_messages
 
 
-def prompt_ids(tokenizer: Tokenizer, req: GenerateRequest) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, gen: GenerateRequest) -> list[int]:
     """CPU work: run it off the event loop (``Admission.tokenize``)."""
-    if req.messages is None:
-        return tokenizer.encode(req.prompt or "")
-    tools = req.tools
+    if gen.messages is None:
+        return tokenizer.encode(gen.prompt or "")
+    tools = gen.tools
     listing = (
         [{"type": "function", "function": f} for f in tools.functions] if tools and tokenizer.takes_tools else None
     )
     try:
-        text = tokenizer.render_chat(template_messages(req.messages, tools, tokenizer.takes_tools), tools=listing)
+        text = tokenizer.render_chat(template_messages(gen.messages, tools, tokenizer.takes_tools), tools=listing)
     except Exception as exc:  # a template error is the caller's input problem
         raise ProtocolError("invalid_request", f"chat template failed: {exc}") from None
     return tokenizer.encode(text)
