@@ -56,7 +56,7 @@ from core.sched.block_manager import Admitted, BlockManager
 from core.sched.config import Chunking, SchedulerConfig, Speculate
 from core.sched.cost import IterationCost
 from core.sched.deadline import Forecast, Pace, slack_s
-from core.sched.drafts import Drafter, NgramDrafter, expected_accepted
+from core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from core.sched.handoff import KvImport
 from core.sched.policy import deadline_order, order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
@@ -388,7 +388,7 @@ class Scheduler:
         chunking's time): drafts
         never displace a decode or shrink a chunk. Decodes are served in pass
         1's order. With a cost model a decode gets the most of its drafts that
-        pay (``_paying_drafts``): the tokens they are expected to add (its
+        pay (``paying_drafts``): the tokens they are expected to add (its
         acceptance rate) per second they add to the iteration must beat the
         batch's tokens per second without them. Where extra rows cost nearly
         what tokens do (a CPU past a few rows) that turns speculation off as
@@ -415,7 +415,7 @@ class Scheduler:
             n = len(drafts)
             if cost is not None and n:
                 acceptance = self.drafter.acceptance(req)
-                n, then_s = _paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
+                n, then_s = paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
                 if n == 0:
                     batch.drafts_declined += 1
                     continue
@@ -705,42 +705,6 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _paying_drafts(
-    cost: IterationCost,
-    shape: tuple[list[int], list[tuple[int, int]]],
-    now_s: float,
-    yielded: float,
-    limit_s: float,
-    start: int,
-    most: int,
-    acceptance: float,
-) -> tuple[int, float]:
-    """How many of ``most`` drafts after a decode at context ``start`` fit the time
-    limit and pay: their expected kept tokens per second added beat the batch's
-    (``yielded`` tokens in ``now_s``); with the iteration's predicted time then.
-    Tokens per second added falls as drafts are added, so the largest that pays
-    is found by bisection (0: none does)."""
-    decodes, chunks = shape
-
-    def pays(m: int) -> tuple[bool, float]:
-        then_s = cost.iteration_s(decodes + [start + 1 + i for i in range(m)], chunks)
-        gain = expected_accepted(acceptance, m)
-        return then_s <= limit_s and gain * now_s > (then_s - now_s) * yielded, then_s
-
-    ok, best_s = pays(1)
-    if not ok:
-        return 0, now_s
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        ok, mid_s = pays(mid)
-        if ok:
-            lo, best_s = mid, mid_s
-        else:
-            hi = mid - 1
-    return lo, best_s
 
 
 def _largest(n: int, fits: Callable[[int], bool]) -> int:
