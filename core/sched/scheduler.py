@@ -48,7 +48,6 @@ import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from core import faults
 from core.sched.batch import Batch, Item, NewToken, Sampled
@@ -60,6 +59,7 @@ from core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_d
 from core.sched.handoff import KvImport
 from core.sched.policy import deadline_order, order_waiting
 from core.sched.request import Chunk, FinishReason, Request, RequestStatus
+from core.sched.time_limit import TimeLimit
 from core.sched.timings import weighted_percentile
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
@@ -75,16 +75,6 @@ SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may 
 AIM_PERCENTILE = 99.9
 AIM_WINDOW = 256
 AIM_FLOOR = 0.5
-
-
-@dataclass(slots=True)
-class _Target:
-    """A time limit on one iteration while it is scheduled: the TBT target while
-    its batch holds decodes, or dynamic chunking's level."""
-
-    target_s: float  # the TBT target, or the level
-    limit_s: float  # what the current pass may fill the predicted time up to
-    owed_until: int  # the floor: prefill tokens the batch keeps, time or not
 
 
 class ScheduleFailed(RuntimeError):
@@ -109,8 +99,6 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.cost = cost  # predicts iteration times: the TBT target, dynamic chunking and drafts need it
         self.drafter = drafter or NgramDrafter()
-        self._target: _Target | None = None  # this iteration's, while scheduling
-        self._level: _Target | None = None  # dynamic chunking's, while scheduling
         self.aim = 1.0  # the fraction of the TBT target iterations are sized to
         # (gap / predicted time, decodes), recent targeted iterations
         self._gap_ratios: deque[tuple[float, int]] = deque(maxlen=AIM_WINDOW)
@@ -211,46 +199,51 @@ class Scheduler:
         req.num_computed_tokens = admitted.computed_tokens
         return True
 
-    def _schedule(self, batch: Batch, now_ns: int) -> Batch:
+    def _schedule(self, batch: Batch, now_ns: int) -> None:
         mode = self.config.chunking
         budget = self.config.token_budget
         if mode == Chunking.NONE:
             # frozen batch: whole prompts in an iteration of their own, with
             # vLLM V0's rule that the batch cap is at least the context length
-            left = self._prefill_running(batch, max(budget, self.config.max_model_len), now_ns, whole=True)
-            self._admit(batch, left, whole=True, ordered=self._ordered(now_ns))
+            cap = max(budget, self.config.max_model_len)
+            left = self._prefill_running(batch, cap, None, self._partials(now_ns), whole=True)
+            self._admit(batch, left, None, self._ordered(now_ns), whole=True)
             if not batch.items:
-                self._draft(batch, self._decode(batch, budget))
-            return batch
+                self._draft(batch, self._decode(batch, budget), None)
+            return
         left = self._decode(batch, budget)
-        self._target = None
-        if self.config.dynamic_chunking and self.cost is not None:
-            level_s = self.cost.iteration_s([], [(0, budget)])
-            self._level = _Target(level_s, level_s, self.config.prefill_floor)
-        if self.config.tbt_slo_ms and self.cost is not None and batch.items:
-            self._target = _Target(self.config.tbt_slo_ms / 1e3, 0.0, 0)
-            batch.target_s = self._target.target_s
-            if self.cost.iteration_s(*batch.shape()) > batch.target_s:
-                batch.over_target = "decodes"
+        limit = self._time_limit(batch)
         if self.cost is not None and self._keeps_deadlines():
-            tokens = self._iteration_tokens(batch, left) if self._target is not None else max(1, left)
+            tokens = self._iteration_tokens(batch, left, limit) if batch.target_s else max(1, left)
             self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
-        try:
-            if mode == Chunking.STALL_FREE and self._keeps_deadlines():
-                left = self._prefill_by_deadline(batch, left, now_ns)
-            elif mode == Chunking.STALL_FREE:
-                left = self._prefill(batch, left, now_ns)
-            else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
-                self._time_share(batch, 1.0, self.config.prefill_floor)
-                left = self._prefill_running(batch, left, now_ns, whole=False)
-                if not any(r.status == RequestStatus.DECODING for r in self.running):
-                    left = self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
-            self._draft(batch, left)
-        finally:
-            self._target = self._level = None
-        return batch
+        if mode == Chunking.STALL_FREE and self._keeps_deadlines():
+            left = self._prefill_by_deadline(batch, left, now_ns, limit)
+        elif mode == Chunking.STALL_FREE:
+            left = self._prefill(batch, left, now_ns, limit)
+        else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
+            shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
+            left = self._prefill_running(batch, left, shared, self._partials(now_ns))
+            if not any(r.status == RequestStatus.DECODING for r in self.running):
+                left = self._admit(batch, left, shared, self._ordered(now_ns))
+        self._draft(batch, left, limit)
 
-    def _prefill(self, batch: Batch, left: int, now_ns: int) -> int:
+    def _time_limit(self, batch: Batch) -> TimeLimit | None:
+        """The limits on the iteration's time once its decodes are placed (None: none
+        applies): dynamic chunking's level, and the TBT target (x the aim) while it
+        holds decodes; the batch records that target and whether they alone fill it."""
+        cfg, cost = self.config, self.cost
+        if cost is None:
+            return None
+        level_s = cost.iteration_s([], [(0, cfg.token_budget)]) if cfg.dynamic_chunking else None
+        target_s = None
+        if cfg.tbt_slo_ms and batch.items:
+            batch.target_s = cfg.tbt_slo_ms / 1e3
+            if cost.iteration_s(*batch.shape()) > batch.target_s:
+                batch.over_target = "decodes"
+            target_s = batch.target_s * self.aim
+        return TimeLimit(cost, target_s, level_s) if target_s is not None or level_s is not None else None
+
+    def _prefill(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
         """Passes 2 and 3, short prompts first: partial then new short prefills
         take the leftover budget before long ones, so a short prompt never
         waits for a long prompt's whole prefill; while a long prompt is
@@ -259,11 +252,11 @@ class Scheduler:
         iteration. While a request waits past ``max_defer_s``, admission
         follows policy order (the starvation ceiling puts it first) after all
         partial prefills."""
-        limit = self.config.long_prefill_tokens or self._iteration_tokens(batch, left)
+        long_tokens = self.config.long_prefill_tokens or self._iteration_tokens(batch, left, limit)
         floor = self.config.prefill_floor
 
         def long(r: Request) -> bool:
-            return r.num_tokens - r.num_computed_tokens > limit
+            return r.num_tokens - r.num_computed_tokens > long_tokens
 
         def short(r: Request) -> bool:
             return not long(r)
@@ -272,19 +265,19 @@ class Scheduler:
         waits_long = any(map(long, candidates))
         kept = min(left, max(1, left // 4)) if waits_long else 0
         long_floor = max(1, floor // 4) if waits_long else 0
-        self._time_share(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor)
-        short_left = self._prefill_running(batch, left - kept, now_ns, whole=False, which=short)
+        first = limit.shared(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor) if limit else None
+        short_left = self._prefill_running(batch, left - kept, first, [r for r in self._partials(now_ns) if short(r)])
         if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
-            self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
-            left = self._prefill_running(batch, kept + short_left, now_ns, whole=False, which=long)
-            return self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
+            rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
+            left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
+            return self._admit(batch, left, rest, self._ordered(now_ns))
         ordered = self._ordered(now_ns)
-        short_left = self._admit(batch, short_left, whole=False, ordered=[r for r in ordered if short(r)])
-        self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
-        left = self._prefill_running(batch, kept + short_left, now_ns, whole=False, which=long)
-        return self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
+        short_left = self._admit(batch, short_left, first, [r for r in ordered if short(r)])
+        rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
+        left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
+        return self._admit(batch, left, rest, [r for r in ordered if long(r)])
 
-    def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int) -> int:
+    def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
         """Passes 2 and 3 under TTFT targets: the TBT target still sizes the
         prefill share, the targets decide who gets it. Partial prefills and
         waiting prompts are taken in one order, the nearest deadline first among
@@ -292,18 +285,18 @@ class Scheduler:
         of short ones first: a short prompt goes ahead of a long one exactly
         when its deadline is the nearer. Once a waiting prompt cannot be
         admitted (KV room, the partial-prefill limit), no later one is."""
-        self._time_share(batch, 1.0, self.config.prefill_floor)
+        shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
         admitting = True
         order = self._by_deadline(now_ns)
         runs = [(p, list(g)) for p, g in itertools.groupby(order, key=lambda r: r.status == RequestStatus.PREFILLING)]
         for partial, run in runs:
             if left == 0:
                 break
-            if partial:
+            if partial:  # in pass 2's order (``_partials``), not the run's
                 chosen = set(run)
-                left = self._prefill_running(batch, left, now_ns, whole=False, which=chosen.__contains__)
+                left = self._prefill_running(batch, left, shared, [r for r in self._partials(now_ns) if r in chosen])
             elif admitting:
-                left = self._admit(batch, left, whole=False, ordered=run)
+                left = self._admit(batch, left, shared, run)
                 admitting = run[-1].status != RequestStatus.WAITING
         return left
 
@@ -332,29 +325,13 @@ class Scheduler:
                 i += 1
         return merged
 
-    def _iteration_tokens(self, batch: Batch, left: int) -> int:
+    def _iteration_tokens(self, batch: Batch, left: int, limit: TimeLimit | None) -> int:
         """What one iteration can take of a prompt, the measure of a long one: the
         token budget, or under a TBT target the tokens whose time fits it beside
         the decodes (at least the floor)."""
-        target, cost = self._target, self.cost
-        if target is None or cost is None:
+        if limit is None or limit.target_s is None:
             return self.config.token_budget
-        decodes, chunks = batch.shape()
-        limit_s = target.target_s * self.aim
-        fit = _largest(left, lambda m: cost.iteration_s(decodes, [*chunks, (0, m)]) <= limit_s)
-        return max(fit, self.config.prefill_floor)
-
-    def _time_share(self, batch: Batch, share: float, floor: int) -> None:
-        """Under a TBT target (and dynamic chunking's level), the next pass may
-        fill ``share`` of the time the batch so far leaves under it, and is owed
-        ``floor`` prefill tokens whatever the time (never more than the budget leaves)."""
-        limits = [(t, aim) for t, aim in ((self._target, self.aim), (self._level, 1.0)) if t is not None]
-        if not limits or self.cost is None:
-            return
-        so_far = self.cost.iteration_s(*batch.shape())
-        for limit, aim in limits:
-            limit.limit_s = so_far + share * (limit.target_s * aim - so_far)
-            limit.owed_until = batch.prefill_tokens + max(0, floor)
+        return max(limit.fit(batch, 0, left, limit.target_s), self.config.prefill_floor)
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one token for every running decode, highest priority first;
@@ -381,7 +358,7 @@ class Scheduler:
                 left -= 1
         return left
 
-    def _draft(self, batch: Batch, left: int) -> None:
+    def _draft(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
         """Pass 4, speculative decoding: draft tokens for decodes whose context
         proposes some, from what is left once every decode has its token and
         every prompt its chunk (the budget, and the TBT target's or dynamic
@@ -397,12 +374,10 @@ class Scheduler:
         cfg = self.config
         if cfg.speculate == Speculate.OFF or left == 0:
             return
-        cost, target = self.cost, self._target
+        cost = self.cost
         decodes, chunks = batch.shape()
         now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
-        limit_s = target.target_s * self.aim if target is not None else float("inf")
-        if self._level is not None:
-            limit_s = min(limit_s, self._level.target_s)
+        limit_s = limit.ceiling_s if limit is not None else math.inf
         yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
         speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
         for index, item in enumerate(batch.items):
@@ -432,15 +407,13 @@ class Scheduler:
             batch.items += speculating.values()
 
     def _prefill_running(
-        self, batch: Batch, left: int, now_ns: int, whole: bool, which: Callable[[Request], bool] = bool
+        self, batch: Batch, left: int, limit: TimeLimit | None, partials: list[Request], whole: bool = False
     ) -> int:
-        """Pass 2: the next chunk of each partially prefilled prompt (of those ``which`` selects)."""
-        for req in self._partials(now_ns):
+        """Pass 2: the next chunk of each of ``partials`` (partly prefilled prompts), in that order."""
+        for req in partials:
             if left == 0:
                 break
-            if not which(req):
-                continue
-            n = self._chunk(batch, req, req.num_pending_tokens, left, whole)
+            n = self._chunk(batch, req, req.num_pending_tokens, left, limit, whole)
             if n == 0:
                 continue
             if not self._allocate(batch, req, n):  # admission reserved the whole prompt
@@ -489,7 +462,9 @@ class Scheduler:
         backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
         return Forecast(backlog, pace, self.num_added)
 
-    def _admit(self, batch: Batch, left: int, whole: bool, ordered: list[Request]) -> int:
+    def _admit(
+        self, batch: Batch, left: int, limit: TimeLimit | None, ordered: list[Request], whole: bool = False
+    ) -> int:
         """Pass 3: admit from ``ordered`` (waiting requests in policy order)."""
         cfg = self.config
         if not ordered or left == 0:
@@ -510,7 +485,7 @@ class Scheduler:
                 continue
             head = self._prompt_source(req)
             pending = 1 if head is not None else req.num_tokens - self.kv.cached_prefix_tokens(req)
-            n = self._chunk(batch, req, pending, left, whole)
+            n = self._chunk(batch, req, pending, left, limit, whole)
             if n == 0:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
@@ -567,29 +542,17 @@ class Scheduler:
         head = self.requests.get(request_id) if request_id is not None else None
         return head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
 
-    def _chunk(self, batch: Batch, req: Request, pending: int, left: int, whole: bool) -> int:
-        """How many of req's ``pending`` tokens run now: what the budget leaves,
-        cut to keep the iteration level (dynamic chunking) and within the TBT target.
-        Both weigh the whole iteration (the decodes, the chunks placed so far, this
-        one after its prefix), and both owe the pass its floor whatever the time."""
+    def _chunk(self, batch: Batch, req: Request, pending: int, left: int, limit: TimeLimit | None, whole: bool) -> int:
+        """How many of req's ``pending`` tokens run now: what the budget leaves, cut
+        to the pass's share of the iteration's time limits (``TimeLimit.chunk``)."""
         if whole:
             return pending if pending <= left else 0
         n = min(pending, left)
-        prefix = req.num_tokens - pending
-        cost, level, target = self.cost, self._level, self._target
-        if cost is None or n == 0 or (level is None and target is None):
+        if limit is None or n == 0:
             return n
-        decodes, chunks = batch.shape()
-        if level is not None:
-            fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= level.limit_s)
-            n = max(fit, min(n, level.owed_until - batch.prefill_tokens))
-        if target is not None:
-            fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= target.limit_s)
-            owed = min(n, target.owed_until - batch.prefill_tokens)
-            if fit < owed:  # the floor keeps prefill moving past the target
-                batch.over_target = batch.over_target or "floor"
-                return owed
-            n = fit
+        n, over = limit.chunk(batch, req.num_tokens - pending, n)
+        if over:  # the floor keeps prefill moving past the target
+            batch.over_target = batch.over_target or "floor"
         return n
 
     def _preempt(self, req: Request, batch: Batch) -> None:
@@ -705,17 +668,3 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _largest(n: int, fits: Callable[[int], bool]) -> int:
-    """The largest m in [0, n] with fits(m), for fits monotone (true, then false); fits(0) is taken as true."""
-    if fits(n):
-        return n
-    lo, hi = 0, n - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
