@@ -1,6 +1,7 @@
 """The stall-free scheduler (Sarathi-Serve) and the two old behaviours it replaces.
 
-Each iteration, in ``stall_free`` mode, three passes fill one token budget:
+Each iteration, in ``stall_free`` mode, four passes fill one token budget
+(``_schedule``, and the methods in that order below it):
 
 1. every running decode gets its token(s), highest priority then oldest
    first; a decode that needs a KV block when none is free preempts the
@@ -21,7 +22,7 @@ long one's whole prefill, while a quarter of the leftover budget stays with
 the long one.
 
 With a TBT target (``tbt_slo_ms``) and decodes in the batch, every chunk is
-also cut to the most tokens whose predicted iteration time (the cost model,
+also cut (``core.sched.time_limit``) to the most tokens whose predicted iteration time (the cost model,
 over the decodes and the chunks placed so far) stays within the target;
 short prompts may use three quarters of the time the decodes leave while a
 long one waits. When the decodes alone fill the target, prefill still moves
@@ -167,6 +168,16 @@ class Scheduler:
     def num_partial_prefills(self) -> int:
         return sum(1 for r in self.running if r.status == RequestStatus.PREFILLING)
 
+    def forecast(self, now_ns: int) -> Forecast | None:
+        """What admission reads: the prefill tokens of the queued prompts that
+        can still meet their TTFT targets, at the latest pace (None before one is known)."""
+        pace = self.pace
+        if pace is None:
+            return None
+        queued = [r for r in self.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
+        backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
+        return Forecast(backlog, pace, self.num_added)
+
     # -- schedule ----------------------------------------------------------
     def schedule(self, now_ns: int) -> Batch:
         """The next iteration's batch. If anything raises, ``ScheduleFailed``
@@ -184,22 +195,8 @@ class Scheduler:
             raise ScheduleFailed(batch) from exc
         return batch
 
-    def _allocate(self, batch: Batch, req: Request, num_new_tokens: int) -> bool:
-        """Grow req's blocks for this batch (the copies it needs go with the batch), or change nothing."""
-        grown = self.kv.allocate(req, num_new_tokens)
-        if grown is None:
-            return False
-        batch.copies += grown.copies
-        return True
-
-    def _admitted(self, req: Request, admitted: Admitted | None) -> bool:
-        """Record what admission found computed."""
-        if admitted is None:
-            return False
-        req.num_computed_tokens = admitted.computed_tokens
-        return True
-
     def _schedule(self, batch: Batch, now_ns: int) -> None:
+        """The passes in order; each places its items in batch and returns the budget left."""
         mode = self.config.chunking
         budget = self.config.token_budget
         if mode == Chunking.NONE:
@@ -211,12 +208,12 @@ class Scheduler:
             if not batch.items:
                 self._draft(batch, self._decode(batch, budget), None)
             return
-        left = self._decode(batch, budget)
+        left = self._decode(batch, budget)  # pass 1
         limit = self._time_limit(batch)
         if self.cost is not None and self._keeps_deadlines():
             tokens = self._iteration_tokens(batch, left, limit) if batch.target_s else max(1, left)
             self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
-        if mode == Chunking.STALL_FREE and self._keeps_deadlines():
+        if mode == Chunking.STALL_FREE and self._keeps_deadlines():  # passes 2 and 3
             left = self._prefill_by_deadline(batch, left, now_ns, limit)
         elif mode == Chunking.STALL_FREE:
             left = self._prefill(batch, left, now_ns, limit)
@@ -225,7 +222,7 @@ class Scheduler:
             left = self._prefill_running(batch, left, shared, self._partials(now_ns))
             if not any(r.status == RequestStatus.DECODING for r in self.running):
                 left = self._admit(batch, left, shared, self._ordered(now_ns))
-        self._draft(batch, left, limit)
+        self._draft(batch, left, limit)  # pass 4
 
     def _time_limit(self, batch: Batch) -> TimeLimit | None:
         """The limits on the iteration's time once its decodes are placed (None: none
@@ -242,6 +239,31 @@ class Scheduler:
                 batch.over_target = "decodes"
             target_s = batch.target_s * self.aim
         return TimeLimit(cost, target_s, level_s) if target_s is not None or level_s is not None else None
+
+    def _decode(self, batch: Batch, left: int) -> int:
+        """Pass 1: one token for every running decode, highest priority first;
+        a decode that needs a KV block when none is free preempts the
+        lowest-priority (then newest) decode. Served in that order, a victim
+        is never one already served."""
+        order = {id(r): i for i, r in enumerate(self.running)}
+
+        def rank(r: Request) -> tuple[int, int]:
+            return r.priority, order[id(r)]
+
+        for req in sorted((r for r in self.running if r.status == RequestStatus.DECODING), key=rank):
+            if req.status != RequestStatus.DECODING:
+                continue  # preempted earlier in this loop
+            if left == 0:
+                break
+            while not self._allocate(batch, req, 1):
+                victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
+                left -= 1
+        return left
 
     def _prefill(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
         """Passes 2 and 3, short prompts first: partial then new short prefills
@@ -333,79 +355,6 @@ class Scheduler:
             return self.config.token_budget
         return max(limit.fit(batch, 0, left, limit.target_s), self.config.prefill_floor)
 
-    def _decode(self, batch: Batch, left: int) -> int:
-        """Pass 1: one token for every running decode, highest priority first;
-        a decode that needs a KV block when none is free preempts the
-        lowest-priority (then newest) decode. Served in that order, a victim
-        is never one already served."""
-        order = {id(r): i for i, r in enumerate(self.running)}
-
-        def rank(r: Request) -> tuple[int, int]:
-            return r.priority, order[id(r)]
-
-        for req in sorted((r for r in self.running if r.status == RequestStatus.DECODING), key=rank):
-            if req.status != RequestStatus.DECODING:
-                continue  # preempted earlier in this loop
-            if left == 0:
-                break
-            while not self._allocate(batch, req, 1):
-                victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
-                self._preempt(victim, batch)
-                if victim is req:
-                    break
-            else:
-                batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
-                left -= 1
-        return left
-
-    def _draft(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
-        """Pass 4, speculative decoding: draft tokens for decodes whose context
-        proposes some, from what is left once every decode has its token and
-        every prompt its chunk (the budget, and the TBT target's or dynamic
-        chunking's time): drafts
-        never displace a decode or shrink a chunk. Decodes are served in pass
-        1's order. With a cost model a decode gets the most of its drafts that
-        pay (``paying_drafts``): the tokens they are expected to add (its
-        acceptance rate) per second they add to the iteration must beat the
-        batch's tokens per second without them. Where extra rows cost nearly
-        what tokens do (a CPU past a few rows) that turns speculation off as
-        batches grow. Requests with penalties (their counts would need the
-        drafts) or that opted out never speculate."""
-        cfg = self.config
-        if cfg.speculate == Speculate.OFF or left == 0:
-            return
-        cost = self.cost
-        decodes, chunks = batch.shape()
-        now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
-        limit_s = limit.ceiling_s if limit is not None else math.inf
-        yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
-        speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
-        for index, item in enumerate(batch.items):
-            req, sp = item.request, item.request.sampling
-            if item.is_prefill or not sp.speculate or sp.uses_history or left == 0:
-                continue
-            room = min(sp.max_tokens - req.num_output_tokens, cfg.max_model_len - req.num_tokens) - 1
-            most = min(self.drafter.limit(req, cfg.draft_tokens), room, left)
-            drafts = self.drafter.propose(req, most, (cfg.ngram_min, cfg.ngram_max)) if most > 0 else ()
-            n = len(drafts)
-            if cost is not None and n:
-                acceptance = self.drafter.acceptance(req)
-                n, then_s = paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
-                if n == 0:
-                    batch.drafts_declined += 1
-                    continue
-                if not self._allocate(batch, req, 1 + n):  # drafts never preempt anybody
-                    continue
-                decodes += [item.start + 1 + i for i in range(n)]
-                now_s, yielded = then_s, yielded + expected_accepted(acceptance, n)
-            elif n == 0 or not self._allocate(batch, req, 1 + n):
-                continue
-            speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
-            left -= n
-        if speculating:
-            batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
-            batch.items += speculating.values()
-
     def _prefill_running(
         self, batch: Batch, left: int, limit: TimeLimit | None, partials: list[Request], whole: bool = False
     ) -> int:
@@ -421,46 +370,6 @@ class Scheduler:
             batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=True))
             left -= n
         return left
-
-    def _ordered(self, now_ns: int) -> list[Request]:
-        """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
-        targets), computed once per iteration."""
-        c = self.config
-        slack = self._slack(now_ns)
-        return order_waiting(
-            self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
-        )
-
-    def _partials(self, now_ns: int) -> list[Request]:
-        """Partly prefilled prompts, oldest first, or in ``deadline_order`` where they have TTFT targets."""
-        partial = [r for r in self.running if r.status == RequestStatus.PREFILLING]
-        slack = self._slack(now_ns)
-        if slack is None:
-            return partial
-        return sorted(partial, key=lambda r: deadline_order(r, slack))
-
-    def _keeps_deadlines(self) -> bool:
-        """Has any queued prompt a TTFT target (the server's, or its own)?"""
-        return bool(self.config.ttft_slo_ms) or any(
-            r.ttft_slo_ms for r in self.requests.values() if r.status != RequestStatus.DECODING
-        )
-
-    def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
-        """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
-        if not self._keeps_deadlines():
-            return None
-        pace = self.pace
-        return lambda r: slack_s(r, now_ns, pace)
-
-    def forecast(self, now_ns: int) -> Forecast | None:
-        """What admission reads: the prefill tokens of the queued prompts that
-        can still meet their TTFT targets, at the latest pace (None before one is known)."""
-        pace = self.pace
-        if pace is None:
-            return None
-        queued = [r for r in self.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
-        backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
-        return Forecast(backlog, pace, self.num_added)
 
     def _admit(
         self, batch: Batch, left: int, limit: TimeLimit | None, ordered: list[Request], whole: bool = False
@@ -555,6 +464,69 @@ class Scheduler:
             batch.over_target = batch.over_target or "floor"
         return n
 
+    def _draft(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
+        """Pass 4, speculative decoding: draft tokens for decodes whose context
+        proposes some, from what is left once every decode has its token and
+        every prompt its chunk (the budget, and the TBT target's or dynamic
+        chunking's time): drafts
+        never displace a decode or shrink a chunk. Decodes are served in pass
+        1's order. With a cost model a decode gets the most of its drafts that
+        pay (``paying_drafts``): the tokens they are expected to add (its
+        acceptance rate) per second they add to the iteration must beat the
+        batch's tokens per second without them. Where extra rows cost nearly
+        what tokens do (a CPU past a few rows) that turns speculation off as
+        batches grow. Requests with penalties (their counts would need the
+        drafts) or that opted out never speculate."""
+        cfg = self.config
+        if cfg.speculate == Speculate.OFF or left == 0:
+            return
+        cost = self.cost
+        decodes, chunks = batch.shape()
+        now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
+        limit_s = limit.ceiling_s if limit is not None else math.inf
+        yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
+        speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
+        for index, item in enumerate(batch.items):
+            req, sp = item.request, item.request.sampling
+            if item.is_prefill or not sp.speculate or sp.uses_history or left == 0:
+                continue
+            room = min(sp.max_tokens - req.num_output_tokens, cfg.max_model_len - req.num_tokens) - 1
+            most = min(self.drafter.limit(req, cfg.draft_tokens), room, left)
+            drafts = self.drafter.propose(req, most, (cfg.ngram_min, cfg.ngram_max)) if most > 0 else ()
+            n = len(drafts)
+            if cost is not None and n:
+                acceptance = self.drafter.acceptance(req)
+                n, then_s = paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
+                if n == 0:
+                    batch.drafts_declined += 1
+                    continue
+                if not self._allocate(batch, req, 1 + n):  # drafts never preempt anybody
+                    continue
+                decodes += [item.start + 1 + i for i in range(n)]
+                now_s, yielded = then_s, yielded + expected_accepted(acceptance, n)
+            elif n == 0 or not self._allocate(batch, req, 1 + n):
+                continue
+            speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
+            left -= n
+        if speculating:
+            batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
+            batch.items += speculating.values()
+
+    def _allocate(self, batch: Batch, req: Request, num_new_tokens: int) -> bool:
+        """Grow req's blocks for this batch (the copies it needs go with the batch), or change nothing."""
+        grown = self.kv.allocate(req, num_new_tokens)
+        if grown is None:
+            return False
+        batch.copies += grown.copies
+        return True
+
+    def _admitted(self, req: Request, admitted: Admitted | None) -> bool:
+        """Record what admission found computed."""
+        if admitted is None:
+            return False
+        req.num_computed_tokens = admitted.computed_tokens
+        return True
+
     def _preempt(self, req: Request, batch: Batch) -> None:
         """Recompute-style preemption: drop the KV, keep prompt and outputs."""
         self.running.remove(req)
@@ -565,6 +537,36 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(req)
         batch.preempted.append(req)
+
+    def _ordered(self, now_ns: int) -> list[Request]:
+        """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
+        targets), computed once per iteration."""
+        c = self.config
+        slack = self._slack(now_ns)
+        return order_waiting(
+            self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
+        )
+
+    def _partials(self, now_ns: int) -> list[Request]:
+        """Partly prefilled prompts, oldest first, or in ``deadline_order`` where they have TTFT targets."""
+        partial = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        slack = self._slack(now_ns)
+        if slack is None:
+            return partial
+        return sorted(partial, key=lambda r: deadline_order(r, slack))
+
+    def _keeps_deadlines(self) -> bool:
+        """Has any queued prompt a TTFT target (the server's, or its own)?"""
+        return bool(self.config.ttft_slo_ms) or any(
+            r.ttft_slo_ms for r in self.requests.values() if r.status != RequestStatus.DECODING
+        )
+
+    def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
+        """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
+        if not self._keeps_deadlines():
+            return None
+        pace = self.pace
+        return lambda r: slack_s(r, now_ns, pace)
 
     # -- update ------------------------------------------------------------
     def update(self, batch: Batch, sampled: Sampled, start_ns: int, end_ns: int) -> list[NewToken]:
