@@ -3,6 +3,7 @@ what it did (IterationRecord)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from core.sched.handoff import KvImport
@@ -104,6 +105,16 @@ class Sampled:
 
     tokens: list[list[int]]
     logprobs: list[list[Logprobs] | None] | None = None  # None: nobody in the batch asked
+
+    def per_item(self, items: list[Item]) -> Iterator[tuple[Item, list[int], list[Logprobs] | None]]:
+        """Each item with the tokens it yielded and their logprobs (none for an item that does not sample)."""
+        tokens = iter(self.tokens)
+        logprobs = iter(self.logprobs) if self.logprobs is not None else None
+        for item in items:
+            if item.samples:
+                yield item, next(tokens), next(logprobs) if logprobs is not None else None
+            else:
+                yield item, [], None
 
 
 @dataclass(slots=True, frozen=True)

@@ -51,7 +51,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from core import faults
-from core.sched.batch import Batch, Item, NewToken, Sampled
+from core.sched.batch import Batch, Item, Logprobs, NewToken, Sampled
 from core.sched.block_manager import Admitted, BlockManager
 from core.sched.config import Chunking, SchedulerConfig, Speculate
 from core.sched.cost import IterationCost
@@ -576,50 +576,65 @@ class Scheduler:
         that ends keeps none drawn after its end."""
         faults.point("update")
         self._learn_aim(batch, start_ns, end_ns)
-        emitted = []
-        tokens = iter(sampled.tokens)
-        logprobs = iter(sampled.logprobs) if sampled.logprobs is not None else None
-        chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
-        if chunked:
-            self._prefill_log.append((batch.iteration, chunked))
-        for item in batch.items:
+        self._log_prefill(batch)
+        emitted: list[NewToken] = []
+        for item, new, logprobs in sampled.per_item(batch.items):
             req = item.request
-            new = next(tokens) if item.samples else []
-            new_logprobs = next(logprobs) if logprobs is not None and item.samples else None
             if item.drafts:
-                self._verified(req, item, len(new) - 1)
-            tl = req.timeline
-            if tl.scheduled_ns is None:
-                tl.scheduled_ns = start_ns
-            if item.is_prefill:
-                tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
+                self._verified(item, len(new) - 1)
+            self._record_times(item, batch.iteration, start_ns, end_ns)
             stalled = self._overlapped_prefill(req, batch.iteration) if new else False
-            reason = None
-            appended = 0
-            for token in new:
-                self._append_token(req, token, end_ns, stalled and appended == 0)
-                lp = new_logprobs[appended] if new_logprobs is not None else None
-                emitted.append(NewToken(req, token, stalled and appended == 0, lp, draft=appended < len(new) - 1))
-                appended += 1
-                reason = self._end_reason(req, token)
-                if reason is not None:
-                    break  # what the request drew after its end is dropped
-            # the KV holds every token before the last one appended (kept drafts are among them)
-            computed = item.num_tokens - len(item.drafts) + max(0, appended - 1)
-            req.num_computed_tokens += computed
-            self.served[req.tenant] = self.served.get(req.tenant, 0) + computed
-            self.kv.cache_computed(req, item.start)
+            tokens, reason = self._append(req, new, logprobs, stalled, end_ns)
+            emitted += tokens
+            computed = self._computed(item, len(tokens))
+            self.served[req.tenant] = self.served.get(req.tenant, 0) + computed  # the fair policy's counter
+            self.kv.cache_computed(req, item.start)  # its full blocks join the prefix cache
             if reason is not None:
                 self.finish(req, reason, end_ns)
             elif item.drafts:
                 self.kv.trim(req, req.num_computed_tokens)  # the blocks that held only rejected drafts
         return emitted
 
-    def _verified(self, req: Request, item: Item, kept: int) -> None:
-        """What a verification of req's drafts kept (the runner's ``verified``)."""
+    def _verified(self, item: Item, kept: int) -> None:
+        """What a verification of the item's drafts kept (the runner's ``verified``)."""
+        req = item.request
         req.num_draft_tokens += len(item.drafts)
         req.num_accepted_tokens += kept
         self.drafter.observe(req, len(item.drafts), kept)
+
+    def _record_times(self, item: Item, iteration: int, start_ns: int, end_ns: int) -> None:
+        """The request's timeline: when it was first scheduled, and each prefill chunk."""
+        tl = item.request.timeline
+        if tl.scheduled_ns is None:
+            tl.scheduled_ns = start_ns
+        if item.is_prefill:
+            tl.chunks.append(Chunk(iteration, start_ns, end_ns, item.num_tokens, item.start))
+
+    def _append(
+        self, req: Request, new: list[int], logprobs: list[Logprobs] | None, stalled: bool, now_ns: int
+    ) -> tuple[list[NewToken], FinishReason | None]:
+        """Append what req drew, up to its end (what it drew after that is dropped):
+        the tokens, all but the last kept drafts, and why it ended (None: it goes on).
+        ``stalled`` is the first token's."""
+        out = []
+        for i, token in enumerate(new):
+            self._append_token(req, token, now_ns, stalled and i == 0)
+            lp = logprobs[i] if logprobs is not None else None
+            out.append(NewToken(req, token, stalled and i == 0, lp, draft=i < len(new) - 1))
+            reason = self._end_reason(req, token)
+            if reason is not None:
+                return out, reason
+        return out, None
+
+    def _computed(self, item: Item, appended: int) -> int:
+        """Advance the request past what the KV now holds, and return how much that is:
+        the item's own tokens and, of its drafts, the kept ones: every token appended
+        but the last, which no pass has fed yet. It reads only the item (a request
+        has one per batch) and what was appended for it, so it holds wherever the
+        item sits in the batch."""
+        computed = item.num_tokens - len(item.drafts) + max(0, appended - 1)
+        item.request.num_computed_tokens += computed
+        return computed
 
     def _learn_aim(self, batch: Batch, start_ns: int, end_ns: int) -> None:
         """After an iteration sized within the TBT target: the gap its decodes got
@@ -635,6 +650,12 @@ class Scheduler:
         self._gap_ratios.append((gap_s / batch.predicted_s, decodes))
         if len(self._gap_ratios) >= 16:
             self.aim = max(AIM_FLOOR, min(1.0, 1.0 / weighted_percentile(self._gap_ratios, AIM_PERCENTILE)))
+
+    def _log_prefill(self, batch: Batch) -> None:
+        """Remember who batch chunked: a later token's gap is stalled if another's prefill ran in it."""
+        chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
+        if chunked:
+            self._prefill_log.append((batch.iteration, chunked))
 
     def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
         """Did another request's prefill run after req's previous token, up to now?
