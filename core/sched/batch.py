@@ -43,7 +43,9 @@ class Item:
 @dataclass(slots=True)
 class Batch:
     """A flattened ragged batch: decode items first, then prefill chunks, then
-    speculating decodes (several query tokens each, like a chunk).
+    speculating decodes (several query tokens each, like a chunk). The order
+    matters to the model runner: it counts the one-token decodes and takes that
+    many leading sequences as one query row each (``kernels.attention_meta``).
 
     Before the items run, the engine has the runner make ``copies`` and
     write ``imports``, and release what it holds for ``finished``."""

@@ -508,7 +508,7 @@ class Scheduler:
                 continue
             speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
             left -= n
-        if speculating:
+        if speculating:  # to the end, after the chunks: one-token decodes lead the batch (Batch)
             batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
             batch.items += speculating.values()
 
