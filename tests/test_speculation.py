@@ -20,7 +20,7 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.drafts import NgramDrafter, expected_accepted, verified
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.request import Request, SamplingParams
-from tests.simkit import request, run_to_completion
+from tests.simkit import request, run_to_completion, step_items
 
 CPU = torch.device("cpu")
 
@@ -306,3 +306,28 @@ def test_a_stop_token_among_kept_drafts_ends_the_request_there():
     assert out.outputs[0].new_token_ids == [DRAFT_TOKEN] and req.finish_reason == FinishReason.STOP
     assert req.num_draft_tokens == 4 and req.num_computed_tokens == req.num_tokens - 1
     assert engine.kv.num_used_blocks == 0
+
+
+def test_one_token_decodes_lead_the_batch_and_speculating_ones_end_it():
+    """The model runner reads the first ``num_decodes`` sequences (its count of
+    one-token decodes) as one query row each. A decode given drafts in place,
+    ahead of a plain one, would be read as a single row: its drafts' KV, which
+    update counts as computed once kept, would be wrong, and so would every
+    sequence after it."""
+    from stallfree.core.analysis.sim_runner import SimDrafter
+
+    clock = VirtualClock()
+    cost = CostModel()
+    runner = SimRunner(cost, 16, clock, acceptance=1.0)
+    config = SchedulerConfig(token_budget=256, max_num_seqs=8, speculate="ngram", draft_tokens=4)
+    engine = Engine(config, CacheConfig(1024, 16), runner, clock, cost, SimDrafter())
+    for rid in ("s0", "s1"):
+        engine.add_request(request(rid, 8, max_tokens=40, ignore_eos=True))
+    engine.add_request(request("plain", 8, max_tokens=40, ignore_eos=True, speculate=False))
+    for _ in range(3):
+        engine.step()
+    engine.add_request(request("prompt", 100, max_tokens=4))
+    items, _ = step_items(engine)
+    kinds = [2 if n > 1 and not prefill else int(prefill) for _, n, prefill in items]  # decode, chunk, drafts
+    assert kinds == sorted(kinds) and set(kinds) == {0, 1, 2}
+    assert [rid for rid, _, _ in items] == ["plain", "prompt", "s0", "s1"]

@@ -3,6 +3,7 @@ what it did (IterationRecord)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from stallfree.core.sched.handoff import KvImport
@@ -42,7 +43,9 @@ class Item:
 @dataclass(slots=True)
 class Batch:
     """A flattened ragged batch: decode items first, then prefill chunks, then
-    speculating decodes (several query tokens each, like a chunk).
+    speculating decodes (several query tokens each, like a chunk). The order
+    matters to the model runner: it counts the one-token decodes and takes that
+    many leading sequences as one query row each (``kernels.attention_meta``).
 
     Before the items run, the engine has the runner make ``copies`` and
     write ``imports``, and release what it holds for ``finished``."""
@@ -104,6 +107,16 @@ class Sampled:
 
     tokens: list[list[int]]
     logprobs: list[list[Logprobs] | None] | None = None  # None: nobody in the batch asked
+
+    def per_item(self, items: list[Item]) -> Iterator[tuple[Item, list[int], list[Logprobs] | None]]:
+        """Each item with the tokens it yielded and their logprobs (none for an item that does not sample)."""
+        tokens = iter(self.tokens)
+        logprobs = iter(self.logprobs) if self.logprobs is not None else None
+        for item in items:
+            if item.samples:
+                yield item, next(tokens), next(logprobs) if logprobs is not None else None
+            else:
+                yield item, [], None
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,7 +16,7 @@ is the output without drafts; sampled output keeps its distribution.
 How many to propose follows what the request accepted: twice what its last
 verification kept (at least 1), up to ``draft_tokens``. Its acceptance rate
 (per draft, an exponentially weighted mean) is what the scheduler weighs
-against a draft's cost.
+against a draft's cost (``paying_drafts``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.request import Request
 
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before its first verification
@@ -46,6 +47,42 @@ def expected_accepted(acceptance: float, n: int) -> float:
     """Drafts expected to be kept of n, each kept with probability ``acceptance``
     once those before it were."""
     return sum(acceptance**i for i in range(1, n + 1))
+
+
+def paying_drafts(
+    cost: IterationCost,
+    shape: tuple[list[int], list[tuple[int, int]]],
+    now_s: float,
+    yielded: float,
+    limit_s: float,
+    start: int,
+    most: int,
+    acceptance: float,
+) -> tuple[int, float]:
+    """How many of ``most`` drafts after a decode at context ``start`` fit the time
+    limit and pay: their expected kept tokens per second added beat the batch's
+    (``yielded`` tokens in ``now_s``); with the iteration's predicted time then.
+    Tokens per second added falls as drafts are added, so the largest that pays
+    is found by bisection (0: none does)."""
+    decodes, chunks = shape
+
+    def pays(m: int) -> tuple[bool, float]:
+        then_s = cost.iteration_s(decodes + [start + 1 + i for i in range(m)], chunks)
+        gain = expected_accepted(acceptance, m)
+        return then_s <= limit_s and gain * now_s > (then_s - now_s) * yielded, then_s
+
+    ok, best_s = pays(1)
+    if not ok:
+        return 0, now_s
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok, mid_s = pays(mid)
+        if ok:
+            lo, best_s = mid, mid_s
+        else:
+            hi = mid - 1
+    return lo, best_s
 
 
 class Drafter(Protocol):

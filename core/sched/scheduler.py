@@ -1,6 +1,7 @@
 """The stall-free scheduler (Sarathi-Serve) and the two old behaviours it replaces.
 
-Each iteration, in ``stall_free`` mode, three passes fill one token budget:
+Each iteration, in ``stall_free`` mode, four passes fill one token budget
+(``_schedule``, and the methods in that order below it):
 
 1. every running decode gets its token(s), highest priority then oldest
    first; a decode that needs a KV block when none is free preempts the
@@ -21,7 +22,7 @@ long one's whole prefill, while a quarter of the leftover budget stays with
 the long one.
 
 With a TBT target (``tbt_slo_ms``) and decodes in the batch, every chunk is
-also cut to the most tokens whose predicted iteration time (the cost model,
+also cut (``core.sched.time_limit``) to the most tokens whose predicted iteration time (the cost model,
 over the decodes and the chunks placed so far) stays within the target;
 short prompts may use three quarters of the time the decodes leave while a
 long one waits. When the decodes alone fill the target, prefill still moves
@@ -48,18 +49,18 @@ import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from stallfree.core import faults
-from stallfree.core.sched.batch import Batch, Item, NewToken, Sampled
+from stallfree.core.sched.batch import Batch, Item, Logprobs, NewToken, Sampled
 from stallfree.core.sched.block_manager import Admitted, BlockManager
 from stallfree.core.sched.config import Chunking, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.deadline import Forecast, Pace, slack_s
-from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted
+from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.handoff import KvImport
 from stallfree.core.sched.policy import deadline_order, order_waiting
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
+from stallfree.core.sched.time_limit import TimeLimit
 from stallfree.core.sched.timings import weighted_percentile
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
@@ -75,16 +76,6 @@ SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may 
 AIM_PERCENTILE = 99.9
 AIM_WINDOW = 256
 AIM_FLOOR = 0.5
-
-
-@dataclass(slots=True)
-class _Target:
-    """A time limit on one iteration while it is scheduled: the TBT target while
-    its batch holds decodes, or dynamic chunking's level."""
-
-    target_s: float  # the TBT target, or the level
-    limit_s: float  # what the current pass may fill the predicted time up to
-    owed_until: int  # the floor: prefill tokens the batch keeps, time or not
 
 
 class ScheduleFailed(RuntimeError):
@@ -109,8 +100,6 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.cost = cost  # predicts iteration times: the TBT target, dynamic chunking and drafts need it
         self.drafter = drafter or NgramDrafter()
-        self._target: _Target | None = None  # this iteration's, while scheduling
-        self._level: _Target | None = None  # dynamic chunking's, while scheduling
         self.aim = 1.0  # the fraction of the TBT target iterations are sized to
         # (gap / predicted time, decodes), recent targeted iterations
         self._gap_ratios: deque[tuple[float, int]] = deque(maxlen=AIM_WINDOW)
@@ -179,6 +168,16 @@ class Scheduler:
     def num_partial_prefills(self) -> int:
         return sum(1 for r in self.running if r.status == RequestStatus.PREFILLING)
 
+    def forecast(self, now_ns: int) -> Forecast | None:
+        """What admission reads: the prefill tokens of the queued prompts that
+        can still meet their TTFT targets, at the latest pace (None before one is known)."""
+        pace = self.pace
+        if pace is None:
+            return None
+        queued = [r for r in self.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
+        backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
+        return Forecast(backlog, pace, self.num_added)
+
     # -- schedule ----------------------------------------------------------
     def schedule(self, now_ns: int) -> Batch:
         """The next iteration's batch. If anything raises, ``ScheduleFailed``
@@ -196,61 +195,77 @@ class Scheduler:
             raise ScheduleFailed(batch) from exc
         return batch
 
-    def _allocate(self, batch: Batch, req: Request, num_new_tokens: int) -> bool:
-        """Grow req's blocks for this batch (the copies it needs go with the batch), or change nothing."""
-        grown = self.kv.allocate(req, num_new_tokens)
-        if grown is None:
-            return False
-        batch.copies += grown.copies
-        return True
-
-    def _admitted(self, req: Request, admitted: Admitted | None) -> bool:
-        """Record what admission found computed."""
-        if admitted is None:
-            return False
-        req.num_computed_tokens = admitted.computed_tokens
-        return True
-
-    def _schedule(self, batch: Batch, now_ns: int) -> Batch:
+    def _schedule(self, batch: Batch, now_ns: int) -> None:
+        """The passes in order; each places its items in batch and returns the budget left."""
         mode = self.config.chunking
         budget = self.config.token_budget
         if mode == Chunking.NONE:
             # frozen batch: whole prompts in an iteration of their own, with
             # vLLM V0's rule that the batch cap is at least the context length
-            left = self._prefill_running(batch, max(budget, self.config.max_model_len), now_ns, whole=True)
-            self._admit(batch, left, whole=True, ordered=self._ordered(now_ns))
+            cap = max(budget, self.config.max_model_len)
+            left = self._prefill_running(batch, cap, None, self._partials(now_ns), whole=True)
+            self._admit(batch, left, None, self._ordered(now_ns), whole=True)
             if not batch.items:
-                self._draft(batch, self._decode(batch, budget))
-            return batch
-        left = self._decode(batch, budget)
-        self._target = None
-        if self.config.dynamic_chunking and self.cost is not None:
-            level_s = self.cost.iteration_s([], [(0, budget)])
-            self._level = _Target(level_s, level_s, self.config.prefill_floor)
-        if self.config.tbt_slo_ms and self.cost is not None and batch.items:
-            self._target = _Target(self.config.tbt_slo_ms / 1e3, 0.0, 0)
-            batch.target_s = self._target.target_s
-            if self.cost.iteration_s(*batch.shape()) > batch.target_s:
-                batch.over_target = "decodes"
+                self._draft(batch, self._decode(batch, budget), None)
+            return
+        left = self._decode(batch, budget)  # pass 1
+        limit = self._time_limit(batch)
         if self.cost is not None and self._keeps_deadlines():
-            tokens = self._iteration_tokens(batch, left) if self._target is not None else max(1, left)
+            tokens = self._iteration_tokens(batch, left, limit) if batch.target_s else max(1, left)
             self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
-        try:
-            if mode == Chunking.STALL_FREE and self._keeps_deadlines():
-                left = self._prefill_by_deadline(batch, left, now_ns)
-            elif mode == Chunking.STALL_FREE:
-                left = self._prefill(batch, left, now_ns)
-            else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
-                self._time_share(batch, 1.0, self.config.prefill_floor)
-                left = self._prefill_running(batch, left, now_ns, whole=False)
-                if not any(r.status == RequestStatus.DECODING for r in self.running):
-                    left = self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
-            self._draft(batch, left)
-        finally:
-            self._target = self._level = None
-        return batch
+        if mode == Chunking.STALL_FREE and self._keeps_deadlines():  # passes 2 and 3
+            left = self._prefill_by_deadline(batch, left, now_ns, limit)
+        elif mode == Chunking.STALL_FREE:
+            left = self._prefill(batch, left, now_ns, limit)
+        else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
+            shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
+            left = self._prefill_running(batch, left, shared, self._partials(now_ns))
+            if not any(r.status == RequestStatus.DECODING for r in self.running):
+                left = self._admit(batch, left, shared, self._ordered(now_ns))
+        self._draft(batch, left, limit)  # pass 4
 
-    def _prefill(self, batch: Batch, left: int, now_ns: int) -> int:
+    def _time_limit(self, batch: Batch) -> TimeLimit | None:
+        """The limits on the iteration's time once its decodes are placed (None: none
+        applies): dynamic chunking's level, and the TBT target (x the aim) while it
+        holds decodes; the batch records that target and whether they alone fill it."""
+        cfg, cost = self.config, self.cost
+        if cost is None:
+            return None
+        level_s = cost.iteration_s([], [(0, cfg.token_budget)]) if cfg.dynamic_chunking else None
+        target_s = None
+        if cfg.tbt_slo_ms and batch.items:
+            batch.target_s = cfg.tbt_slo_ms / 1e3
+            if cost.iteration_s(*batch.shape()) > batch.target_s:
+                batch.over_target = "decodes"
+            target_s = batch.target_s * self.aim
+        return TimeLimit(cost, target_s, level_s) if target_s is not None or level_s is not None else None
+
+    def _decode(self, batch: Batch, left: int) -> int:
+        """Pass 1: one token for every running decode, highest priority first;
+        a decode that needs a KV block when none is free preempts the
+        lowest-priority (then newest) decode. Served in that order, a victim
+        is never one already served."""
+        order = {id(r): i for i, r in enumerate(self.running)}
+
+        def rank(r: Request) -> tuple[int, int]:
+            return r.priority, order[id(r)]
+
+        for req in sorted((r for r in self.running if r.status == RequestStatus.DECODING), key=rank):
+            if req.status != RequestStatus.DECODING:
+                continue  # preempted earlier in this loop
+            if left == 0:
+                break
+            while not self._allocate(batch, req, 1):
+                victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
+                left -= 1
+        return left
+
+    def _prefill(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
         """Passes 2 and 3, short prompts first: partial then new short prefills
         take the leftover budget before long ones, so a short prompt never
         waits for a long prompt's whole prefill; while a long prompt is
@@ -259,11 +274,11 @@ class Scheduler:
         iteration. While a request waits past ``max_defer_s``, admission
         follows policy order (the starvation ceiling puts it first) after all
         partial prefills."""
-        limit = self.config.long_prefill_tokens or self._iteration_tokens(batch, left)
+        long_tokens = self.config.long_prefill_tokens or self._iteration_tokens(batch, left, limit)
         floor = self.config.prefill_floor
 
         def long(r: Request) -> bool:
-            return r.num_tokens - r.num_computed_tokens > limit
+            return r.num_tokens - r.num_computed_tokens > long_tokens
 
         def short(r: Request) -> bool:
             return not long(r)
@@ -272,19 +287,19 @@ class Scheduler:
         waits_long = any(map(long, candidates))
         kept = min(left, max(1, left // 4)) if waits_long else 0
         long_floor = max(1, floor // 4) if waits_long else 0
-        self._time_share(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor)
-        short_left = self._prefill_running(batch, left - kept, now_ns, whole=False, which=short)
+        first = limit.shared(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor) if limit else None
+        short_left = self._prefill_running(batch, left - kept, first, [r for r in self._partials(now_ns) if short(r)])
         if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
-            self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
-            left = self._prefill_running(batch, kept + short_left, now_ns, whole=False, which=long)
-            return self._admit(batch, left, whole=False, ordered=self._ordered(now_ns))
+            rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
+            left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
+            return self._admit(batch, left, rest, self._ordered(now_ns))
         ordered = self._ordered(now_ns)
-        short_left = self._admit(batch, short_left, whole=False, ordered=[r for r in ordered if short(r)])
-        self._time_share(batch, 1.0, max(floor - batch.prefill_tokens, long_floor))
-        left = self._prefill_running(batch, kept + short_left, now_ns, whole=False, which=long)
-        return self._admit(batch, left, whole=False, ordered=[r for r in ordered if long(r)])
+        short_left = self._admit(batch, short_left, first, [r for r in ordered if short(r)])
+        rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
+        left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
+        return self._admit(batch, left, rest, [r for r in ordered if long(r)])
 
-    def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int) -> int:
+    def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
         """Passes 2 and 3 under TTFT targets: the TBT target still sizes the
         prefill share, the targets decide who gets it. Partial prefills and
         waiting prompts are taken in one order, the nearest deadline first among
@@ -292,18 +307,18 @@ class Scheduler:
         of short ones first: a short prompt goes ahead of a long one exactly
         when its deadline is the nearer. Once a waiting prompt cannot be
         admitted (KV room, the partial-prefill limit), no later one is."""
-        self._time_share(batch, 1.0, self.config.prefill_floor)
+        shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
         admitting = True
         order = self._by_deadline(now_ns)
         runs = [(p, list(g)) for p, g in itertools.groupby(order, key=lambda r: r.status == RequestStatus.PREFILLING)]
         for partial, run in runs:
             if left == 0:
                 break
-            if partial:
+            if partial:  # in pass 2's order (``_partials``), not the run's
                 chosen = set(run)
-                left = self._prefill_running(batch, left, now_ns, whole=False, which=chosen.__contains__)
+                left = self._prefill_running(batch, left, shared, [r for r in self._partials(now_ns) if r in chosen])
             elif admitting:
-                left = self._admit(batch, left, whole=False, ordered=run)
+                left = self._admit(batch, left, shared, run)
                 admitting = run[-1].status != RequestStatus.WAITING
         return left
 
@@ -332,115 +347,22 @@ class Scheduler:
                 i += 1
         return merged
 
-    def _iteration_tokens(self, batch: Batch, left: int) -> int:
+    def _iteration_tokens(self, batch: Batch, left: int, limit: TimeLimit | None) -> int:
         """What one iteration can take of a prompt, the measure of a long one: the
         token budget, or under a TBT target the tokens whose time fits it beside
         the decodes (at least the floor)."""
-        target, cost = self._target, self.cost
-        if target is None or cost is None:
+        if limit is None or limit.target_s is None:
             return self.config.token_budget
-        decodes, chunks = batch.shape()
-        limit_s = target.target_s * self.aim
-        fit = _largest(left, lambda m: cost.iteration_s(decodes, [*chunks, (0, m)]) <= limit_s)
-        return max(fit, self.config.prefill_floor)
-
-    def _time_share(self, batch: Batch, share: float, floor: int) -> None:
-        """Under a TBT target (and dynamic chunking's level), the next pass may
-        fill ``share`` of the time the batch so far leaves under it, and is owed
-        ``floor`` prefill tokens whatever the time (never more than the budget leaves)."""
-        limits = [(t, aim) for t, aim in ((self._target, self.aim), (self._level, 1.0)) if t is not None]
-        if not limits or self.cost is None:
-            return
-        so_far = self.cost.iteration_s(*batch.shape())
-        for limit, aim in limits:
-            limit.limit_s = so_far + share * (limit.target_s * aim - so_far)
-            limit.owed_until = batch.prefill_tokens + max(0, floor)
-
-    def _decode(self, batch: Batch, left: int) -> int:
-        """Pass 1: one token for every running decode, highest priority first;
-        a decode that needs a KV block when none is free preempts the
-        lowest-priority (then newest) decode. Served in that order, a victim
-        is never one already served."""
-        order = {id(r): i for i, r in enumerate(self.running)}
-
-        def rank(r: Request) -> tuple[int, int]:
-            return r.priority, order[id(r)]
-
-        for req in sorted((r for r in self.running if r.status == RequestStatus.DECODING), key=rank):
-            if req.status != RequestStatus.DECODING:
-                continue  # preempted earlier in this loop
-            if left == 0:
-                break
-            while not self._allocate(batch, req, 1):
-                victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
-                self._preempt(victim, batch)
-                if victim is req:
-                    break
-            else:
-                batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
-                left -= 1
-        return left
-
-    def _draft(self, batch: Batch, left: int) -> None:
-        """Pass 4, speculative decoding: draft tokens for decodes whose context
-        proposes some, from what is left once every decode has its token and
-        every prompt its chunk (the budget, and the TBT target's or dynamic
-        chunking's time): drafts
-        never displace a decode or shrink a chunk. Decodes are served in pass
-        1's order. With a cost model a decode gets the most of its drafts that
-        pay (``_paying_drafts``): the tokens they are expected to add (its
-        acceptance rate) per second they add to the iteration must beat the
-        batch's tokens per second without them. Where extra rows cost nearly
-        what tokens do (a CPU past a few rows) that turns speculation off as
-        batches grow. Requests with penalties (their counts would need the
-        drafts) or that opted out never speculate."""
-        cfg = self.config
-        if cfg.speculate == Speculate.OFF or left == 0:
-            return
-        cost, target = self.cost, self._target
-        decodes, chunks = batch.shape()
-        now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
-        limit_s = target.target_s * self.aim if target is not None else float("inf")
-        if self._level is not None:
-            limit_s = min(limit_s, self._level.target_s)
-        yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
-        speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
-        for index, item in enumerate(batch.items):
-            req, sp = item.request, item.request.sampling
-            if item.is_prefill or not sp.speculate or sp.uses_history or left == 0:
-                continue
-            room = min(sp.max_tokens - req.num_output_tokens, cfg.max_model_len - req.num_tokens) - 1
-            most = min(self.drafter.limit(req, cfg.draft_tokens), room, left)
-            drafts = self.drafter.propose(req, most, (cfg.ngram_min, cfg.ngram_max)) if most > 0 else ()
-            n = len(drafts)
-            if cost is not None and n:
-                acceptance = self.drafter.acceptance(req)
-                n, then_s = _paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
-                if n == 0:
-                    batch.drafts_declined += 1
-                    continue
-                if not self._allocate(batch, req, 1 + n):  # drafts never preempt anybody
-                    continue
-                decodes += [item.start + 1 + i for i in range(n)]
-                now_s, yielded = then_s, yielded + expected_accepted(acceptance, n)
-            elif n == 0 or not self._allocate(batch, req, 1 + n):
-                continue
-            speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
-            left -= n
-        if speculating:
-            batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
-            batch.items += speculating.values()
+        return max(limit.fit(batch, 0, left, limit.target_s), self.config.prefill_floor)
 
     def _prefill_running(
-        self, batch: Batch, left: int, now_ns: int, whole: bool, which: Callable[[Request], bool] = bool
+        self, batch: Batch, left: int, limit: TimeLimit | None, partials: list[Request], whole: bool = False
     ) -> int:
-        """Pass 2: the next chunk of each partially prefilled prompt (of those ``which`` selects)."""
-        for req in self._partials(now_ns):
+        """Pass 2: the next chunk of each of ``partials`` (partly prefilled prompts), in that order."""
+        for req in partials:
             if left == 0:
                 break
-            if not which(req):
-                continue
-            n = self._chunk(batch, req, req.num_pending_tokens, left, whole)
+            n = self._chunk(batch, req, req.num_pending_tokens, left, limit, whole)
             if n == 0:
                 continue
             if not self._allocate(batch, req, n):  # admission reserved the whole prompt
@@ -449,47 +371,9 @@ class Scheduler:
             left -= n
         return left
 
-    def _ordered(self, now_ns: int) -> list[Request]:
-        """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
-        targets), computed once per iteration."""
-        c = self.config
-        slack = self._slack(now_ns)
-        return order_waiting(
-            self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
-        )
-
-    def _partials(self, now_ns: int) -> list[Request]:
-        """Partly prefilled prompts, oldest first, or in ``deadline_order`` where they have TTFT targets."""
-        partial = [r for r in self.running if r.status == RequestStatus.PREFILLING]
-        slack = self._slack(now_ns)
-        if slack is None:
-            return partial
-        return sorted(partial, key=lambda r: deadline_order(r, slack))
-
-    def _keeps_deadlines(self) -> bool:
-        """Has any queued prompt a TTFT target (the server's, or its own)?"""
-        return bool(self.config.ttft_slo_ms) or any(
-            r.ttft_slo_ms for r in self.requests.values() if r.status != RequestStatus.DECODING
-        )
-
-    def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
-        """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
-        if not self._keeps_deadlines():
-            return None
-        pace = self.pace
-        return lambda r: slack_s(r, now_ns, pace)
-
-    def forecast(self, now_ns: int) -> Forecast | None:
-        """What admission reads: the prefill tokens of the queued prompts that
-        can still meet their TTFT targets, at the latest pace (None before one is known)."""
-        pace = self.pace
-        if pace is None:
-            return None
-        queued = [r for r in self.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
-        backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
-        return Forecast(backlog, pace, self.num_added)
-
-    def _admit(self, batch: Batch, left: int, whole: bool, ordered: list[Request]) -> int:
+    def _admit(
+        self, batch: Batch, left: int, limit: TimeLimit | None, ordered: list[Request], whole: bool = False
+    ) -> int:
         """Pass 3: admit from ``ordered`` (waiting requests in policy order)."""
         cfg = self.config
         if not ordered or left == 0:
@@ -510,7 +394,7 @@ class Scheduler:
                 continue
             head = self._prompt_source(req)
             pending = 1 if head is not None else req.num_tokens - self.kv.cached_prefix_tokens(req)
-            n = self._chunk(batch, req, pending, left, whole)
+            n = self._chunk(batch, req, pending, left, limit, whole)
             if n == 0:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
@@ -567,30 +451,81 @@ class Scheduler:
         head = self.requests.get(request_id) if request_id is not None else None
         return head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
 
-    def _chunk(self, batch: Batch, req: Request, pending: int, left: int, whole: bool) -> int:
-        """How many of req's ``pending`` tokens run now: what the budget leaves,
-        cut to keep the iteration level (dynamic chunking) and within the TBT target.
-        Both weigh the whole iteration (the decodes, the chunks placed so far, this
-        one after its prefix), and both owe the pass its floor whatever the time."""
+    def _chunk(self, batch: Batch, req: Request, pending: int, left: int, limit: TimeLimit | None, whole: bool) -> int:
+        """How many of req's ``pending`` tokens run now: what the budget leaves, cut
+        to the pass's share of the iteration's time limits (``TimeLimit.chunk``)."""
         if whole:
             return pending if pending <= left else 0
         n = min(pending, left)
-        prefix = req.num_tokens - pending
-        cost, level, target = self.cost, self._level, self._target
-        if cost is None or n == 0 or (level is None and target is None):
+        if limit is None or n == 0:
             return n
-        decodes, chunks = batch.shape()
-        if level is not None:
-            fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= level.limit_s)
-            n = max(fit, min(n, level.owed_until - batch.prefill_tokens))
-        if target is not None:
-            fit = _largest(n, lambda m: cost.iteration_s(decodes, [*chunks, (prefix, m)]) <= target.limit_s)
-            owed = min(n, target.owed_until - batch.prefill_tokens)
-            if fit < owed:  # the floor keeps prefill moving past the target
-                batch.over_target = batch.over_target or "floor"
-                return owed
-            n = fit
+        n, over = limit.chunk(batch, req.num_tokens - pending, n)
+        if over:  # the floor keeps prefill moving past the target
+            batch.over_target = batch.over_target or "floor"
         return n
+
+    def _draft(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
+        """Pass 4, speculative decoding: draft tokens for decodes whose context
+        proposes some, from what is left once every decode has its token and
+        every prompt its chunk (the budget, and the TBT target's or dynamic
+        chunking's time): drafts
+        never displace a decode or shrink a chunk. Decodes are served in pass
+        1's order. With a cost model a decode gets the most of its drafts that
+        pay (``paying_drafts``): the tokens they are expected to add (its
+        acceptance rate) per second they add to the iteration must beat the
+        batch's tokens per second without them. Where extra rows cost nearly
+        what tokens do (a CPU past a few rows) that turns speculation off as
+        batches grow. Requests with penalties (their counts would need the
+        drafts) or that opted out never speculate."""
+        cfg = self.config
+        if cfg.speculate == Speculate.OFF or left == 0:
+            return
+        cost = self.cost
+        decodes, chunks = batch.shape()
+        now_s = cost.iteration_s(decodes, chunks) if cost is not None else 0.0
+        limit_s = limit.ceiling_s if limit is not None else math.inf
+        yielded = float(sum(1 for item in batch.items if item.samples))  # expected tokens out of the batch
+        speculating: dict[int, Item] = {}  # item index -> the item with drafts that replaces it
+        for index, item in enumerate(batch.items):
+            req, sp = item.request, item.request.sampling
+            if item.is_prefill or not sp.speculate or sp.uses_history or left == 0:
+                continue
+            room = min(sp.max_tokens - req.num_output_tokens, cfg.max_model_len - req.num_tokens) - 1
+            most = min(self.drafter.limit(req, cfg.draft_tokens), room, left)
+            drafts = self.drafter.propose(req, most, (cfg.ngram_min, cfg.ngram_max)) if most > 0 else ()
+            n = len(drafts)
+            if cost is not None and n:
+                acceptance = self.drafter.acceptance(req)
+                n, then_s = paying_drafts(cost, (decodes, chunks), now_s, yielded, limit_s, item.start, n, acceptance)
+                if n == 0:
+                    batch.drafts_declined += 1
+                    continue
+                if not self._allocate(batch, req, 1 + n):  # drafts never preempt anybody
+                    continue
+                decodes += [item.start + 1 + i for i in range(n)]
+                now_s, yielded = then_s, yielded + expected_accepted(acceptance, n)
+            elif n == 0 or not self._allocate(batch, req, 1 + n):
+                continue
+            speculating[index] = Item(req, item.start, 1 + n, is_prefill=False, drafts=drafts[:n])
+            left -= n
+        if speculating:  # to the end, after the chunks: one-token decodes lead the batch (Batch)
+            batch.items = [item for i, item in enumerate(batch.items) if i not in speculating]
+            batch.items += speculating.values()
+
+    def _allocate(self, batch: Batch, req: Request, num_new_tokens: int) -> bool:
+        """Grow req's blocks for this batch (the copies it needs go with the batch), or change nothing."""
+        grown = self.kv.allocate(req, num_new_tokens)
+        if grown is None:
+            return False
+        batch.copies += grown.copies
+        return True
+
+    def _admitted(self, req: Request, admitted: Admitted | None) -> bool:
+        """Record what admission found computed."""
+        if admitted is None:
+            return False
+        req.num_computed_tokens = admitted.computed_tokens
+        return True
 
     def _preempt(self, req: Request, batch: Batch) -> None:
         """Recompute-style preemption: drop the KV, keep prompt and outputs."""
@@ -603,6 +538,36 @@ class Scheduler:
         self.waiting.append(req)
         batch.preempted.append(req)
 
+    def _ordered(self, now_ns: int) -> list[Request]:
+        """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
+        targets), computed once per iteration."""
+        c = self.config
+        slack = self._slack(now_ns)
+        return order_waiting(
+            self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
+        )
+
+    def _partials(self, now_ns: int) -> list[Request]:
+        """Partly prefilled prompts, oldest first, or in ``deadline_order`` where they have TTFT targets."""
+        partial = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        slack = self._slack(now_ns)
+        if slack is None:
+            return partial
+        return sorted(partial, key=lambda r: deadline_order(r, slack))
+
+    def _keeps_deadlines(self) -> bool:
+        """Has any queued prompt a TTFT target (the server's, or its own)?"""
+        return bool(self.config.ttft_slo_ms) or any(
+            r.ttft_slo_ms for r in self.requests.values() if r.status != RequestStatus.DECODING
+        )
+
+    def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
+        """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
+        if not self._keeps_deadlines():
+            return None
+        pace = self.pace
+        return lambda r: slack_s(r, now_ns, pace)
+
     # -- update ------------------------------------------------------------
     def update(self, batch: Batch, sampled: Sampled, start_ns: int, end_ns: int) -> list[NewToken]:
         """Advance every request in batch; sampled holds, per item that samples and
@@ -611,50 +576,65 @@ class Scheduler:
         that ends keeps none drawn after its end."""
         faults.point("update")
         self._learn_aim(batch, start_ns, end_ns)
-        emitted = []
-        tokens = iter(sampled.tokens)
-        logprobs = iter(sampled.logprobs) if sampled.logprobs is not None else None
-        chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
-        if chunked:
-            self._prefill_log.append((batch.iteration, chunked))
-        for item in batch.items:
+        self._log_prefill(batch)
+        emitted: list[NewToken] = []
+        for item, new, logprobs in sampled.per_item(batch.items):
             req = item.request
-            new = next(tokens) if item.samples else []
-            new_logprobs = next(logprobs) if logprobs is not None and item.samples else None
             if item.drafts:
-                self._verified(req, item, len(new) - 1)
-            tl = req.timeline
-            if tl.scheduled_ns is None:
-                tl.scheduled_ns = start_ns
-            if item.is_prefill:
-                tl.chunks.append(Chunk(batch.iteration, start_ns, end_ns, item.num_tokens, item.start))
+                self._verified(item, len(new) - 1)
+            self._record_times(item, batch.iteration, start_ns, end_ns)
             stalled = self._overlapped_prefill(req, batch.iteration) if new else False
-            reason = None
-            appended = 0
-            for token in new:
-                self._append_token(req, token, end_ns, stalled and appended == 0)
-                lp = new_logprobs[appended] if new_logprobs is not None else None
-                emitted.append(NewToken(req, token, stalled and appended == 0, lp, draft=appended < len(new) - 1))
-                appended += 1
-                reason = self._end_reason(req, token)
-                if reason is not None:
-                    break  # what the request drew after its end is dropped
-            # the KV holds every token before the last one appended (kept drafts are among them)
-            computed = item.num_tokens - len(item.drafts) + max(0, appended - 1)
-            req.num_computed_tokens += computed
-            self.served[req.tenant] = self.served.get(req.tenant, 0) + computed
-            self.kv.cache_computed(req, item.start)
+            tokens, reason = self._append(req, new, logprobs, stalled, end_ns)
+            emitted += tokens
+            computed = self._computed(item, len(tokens))
+            self.served[req.tenant] = self.served.get(req.tenant, 0) + computed  # the fair policy's counter
+            self.kv.cache_computed(req, item.start)  # its full blocks join the prefix cache
             if reason is not None:
                 self.finish(req, reason, end_ns)
             elif item.drafts:
                 self.kv.trim(req, req.num_computed_tokens)  # the blocks that held only rejected drafts
         return emitted
 
-    def _verified(self, req: Request, item: Item, kept: int) -> None:
-        """What a verification of req's drafts kept (the runner's ``verified``)."""
+    def _verified(self, item: Item, kept: int) -> None:
+        """What a verification of the item's drafts kept (the runner's ``verified``)."""
+        req = item.request
         req.num_draft_tokens += len(item.drafts)
         req.num_accepted_tokens += kept
         self.drafter.observe(req, len(item.drafts), kept)
+
+    def _record_times(self, item: Item, iteration: int, start_ns: int, end_ns: int) -> None:
+        """The request's timeline: when it was first scheduled, and each prefill chunk."""
+        tl = item.request.timeline
+        if tl.scheduled_ns is None:
+            tl.scheduled_ns = start_ns
+        if item.is_prefill:
+            tl.chunks.append(Chunk(iteration, start_ns, end_ns, item.num_tokens, item.start))
+
+    def _append(
+        self, req: Request, new: list[int], logprobs: list[Logprobs] | None, stalled: bool, now_ns: int
+    ) -> tuple[list[NewToken], FinishReason | None]:
+        """Append what req drew, up to its end (what it drew after that is dropped):
+        the tokens, all but the last kept drafts, and why it ended (None: it goes on).
+        ``stalled`` is the first token's."""
+        out = []
+        for i, token in enumerate(new):
+            self._append_token(req, token, now_ns, stalled and i == 0)
+            lp = logprobs[i] if logprobs is not None else None
+            out.append(NewToken(req, token, stalled and i == 0, lp, draft=i < len(new) - 1))
+            reason = self._end_reason(req, token)
+            if reason is not None:
+                return out, reason
+        return out, None
+
+    def _computed(self, item: Item, appended: int) -> int:
+        """Advance the request past what the KV now holds, and return how much that is:
+        the item's own tokens and, of its drafts, the kept ones: every token appended
+        but the last, which no pass has fed yet. It reads only the item (a request
+        has one per batch) and what was appended for it, so it holds wherever the
+        item sits in the batch."""
+        computed = item.num_tokens - len(item.drafts) + max(0, appended - 1)
+        item.request.num_computed_tokens += computed
+        return computed
 
     def _learn_aim(self, batch: Batch, start_ns: int, end_ns: int) -> None:
         """After an iteration sized within the TBT target: the gap its decodes got
@@ -670,6 +650,12 @@ class Scheduler:
         self._gap_ratios.append((gap_s / batch.predicted_s, decodes))
         if len(self._gap_ratios) >= 16:
             self.aim = max(AIM_FLOOR, min(1.0, 1.0 / weighted_percentile(self._gap_ratios, AIM_PERCENTILE)))
+
+    def _log_prefill(self, batch: Batch) -> None:
+        """Remember who batch chunked: a later token's gap is stalled if another's prefill ran in it."""
+        chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
+        if chunked:
+            self._prefill_log.append((batch.iteration, chunked))
 
     def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
         """Did another request's prefill run after req's previous token, up to now?
@@ -705,53 +691,3 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _paying_drafts(
-    cost: IterationCost,
-    shape: tuple[list[int], list[tuple[int, int]]],
-    now_s: float,
-    yielded: float,
-    limit_s: float,
-    start: int,
-    most: int,
-    acceptance: float,
-) -> tuple[int, float]:
-    """How many of ``most`` drafts after a decode at context ``start`` fit the time
-    limit and pay: their expected kept tokens per second added beat the batch's
-    (``yielded`` tokens in ``now_s``); with the iteration's predicted time then.
-    Tokens per second added falls as drafts are added, so the largest that pays
-    is found by bisection (0: none does)."""
-    decodes, chunks = shape
-
-    def pays(m: int) -> tuple[bool, float]:
-        then_s = cost.iteration_s(decodes + [start + 1 + i for i in range(m)], chunks)
-        gain = expected_accepted(acceptance, m)
-        return then_s <= limit_s and gain * now_s > (then_s - now_s) * yielded, then_s
-
-    ok, best_s = pays(1)
-    if not ok:
-        return 0, now_s
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        ok, mid_s = pays(mid)
-        if ok:
-            lo, best_s = mid, mid_s
-        else:
-            hi = mid - 1
-    return lo, best_s
-
-
-def _largest(n: int, fits: Callable[[int], bool]) -> int:
-    """The largest m in [0, n] with fits(m), for fits monotone (true, then false); fits(0) is taken as true."""
-    if fits(n):
-        return n
-    lo, hi = 0, n - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
