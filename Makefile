@@ -44,7 +44,7 @@ test: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# the fast subset (under a minute here): no servers under load, browser, soak, Ray or real-model
+# the fast subset (about 95 s on the 2-core Zen 4, 2026-12-04): no servers under load, browser, soak, Ray or real-model
 # runs; the property tests with a tenth of their examples; two workers, a module to each
 test-fast: $(TEST_STAMP)
 	STALLFREE_FAST_TESTS=1 $(BIN)/python -m pytest -m "not slow" -n 2 --dist loadfile $(PYTEST_ARGS)
