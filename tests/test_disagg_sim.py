@@ -17,7 +17,7 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.handoff import KvHandoff
 from stallfree.core.sched.request import Request, RequestStatus, SamplingParams
-from tests.simkit import sim_engine
+from tests.simkit import sim_engine, step_items
 
 BS = 16
 
@@ -46,6 +46,20 @@ def test_an_imported_prompt_goes_straight_to_decoding_on_fresh_blocks():
     while engine.has_work:
         engine.step()
     assert req.num_output_tokens == 3 and engine.kv.num_used_blocks == 0
+
+
+def test_an_imported_prompt_decodes_among_the_decodes_ahead_of_any_chunk():
+    """The model runner reads the first ``num_decodes`` sequences as one query row
+    each (``Batch``): an import admitted in pass 3, after a prompt's chunk, must
+    still go among the decodes, or the reference attention reads the chunk as one row."""
+    engine = _engine()
+    engine.add_request(Request("local", list(range(300, 600)), SamplingParams(max_tokens=2, ignore_eos=True), 0))
+    engine.step()  # its first chunk; the last 44 tokens are a short partial prefill, placed in pass 2
+    moved = Request("moved", list(range(100, 150)), SamplingParams(max_tokens=3, ignore_eos=True), 0)
+    moved.handoff = KvHandoff(imported_tokens=49)
+    engine.add_request(moved)
+    items, _ = step_items(engine)
+    assert [(rid, prefill) for rid, _, prefill in items] == [("moved", False), ("local", True)]
 
 
 def test_imported_kv_must_cover_all_but_the_last_token():

@@ -436,7 +436,10 @@ class Scheduler:
         if handoff is not None and handoff.payload is not None:
             batch.imports.append(KvImport(list(req.block_ids), handoff.imported_tokens, handoff.payload))
             handoff.payload = None
-        batch.items.append(Item(req, req.num_computed_tokens, 1, is_prefill=False))
+        # among the decodes, ahead of this pass's chunks: the runner reads the first
+        # num_decodes sequences as one query row each (Batch)
+        lead = sum(1 for item in batch.items if not item.is_prefill)
+        batch.items.insert(lead, Item(req, req.num_computed_tokens, 1, is_prefill=False))
         return True
 
     def _prompt_source(self, req: Request) -> Request | None:
