@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,18 +118,22 @@ def test_kernels_import_neither_core_nor_gateway():
     assert violations("kernels", ("core", "gateway", "cli")) == []
 
 
+def absolute_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) of every absolute import in the file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+
+
 def test_core_imports_no_gateway_and_no_event_loop():
     """Core runs on the step thread: no module of it imports asyncio or anyio
     itself (libraries such as structlog may), nor anything of the gateway."""
     for path in sorted((ROOT / "core").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            for name in (n.removeprefix("stallfree.") for n in names):
-                assert name.split(".")[0] not in ("asyncio", "anyio", "gateway", "cli"), f"{path}: imports {name}"
+        for _, name in absolute_imports(path):
+            name = name.removeprefix("stallfree.")
+            assert name.split(".")[0] not in ("asyncio", "anyio", "gateway", "cli"), f"{path}: imports {name}"
     assert violations("core.build", ("gateway", "cli")) == []
 
 
@@ -202,18 +207,13 @@ def short_imports(root: Path, folders: tuple[str, ...]) -> list[str]:
     (``import kernels``, ``from core.sched ...``): in a checkout it would load the
     module a second time under another name; installed, it would find another
     distribution's package of that name."""
-    found = []
-    for folder in folders:
-        for path in sorted((root / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = []
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                if any(name.split(".")[0] in ROOTED for name in names):
-                    found.append(f"{path.relative_to(root)}:{node.lineno}")
-    return found
+    return [
+        f"{path.relative_to(root)}:{line}"
+        for folder in folders
+        for path in sorted((root / folder).rglob("*.py"))
+        for line, name in absolute_imports(path)
+        if name.split(".")[0] in ROOTED
+    ]
 
 
 ROOTED = ("cli", "core", "gateway", "kernels", "loadtest", "scaleout")
