@@ -36,7 +36,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="cost model from `stallfree profile` (default: the one saved for this model, dtype and threads)",
     )
     gw = sv.add_argument_group("gateway")
-    gw.add_argument("--api-key", action="append", help="require this key (repeatable; also STALLFREE_API_KEYS)")
+    gw.add_argument(
+        "--api-key",
+        action="append",
+        help="require this key to generate (repeatable; also STALLFREE_API_KEYS); the n-th key's tenant is key-<n>",
+    )
+    gw.add_argument(
+        "--admin-key",
+        action="append",
+        help="an operator key: once any key is set, only these change live settings (PUT /api/config); "
+        "they also generate, unbounded by grants (repeatable; also STALLFREE_ADMIN_KEYS)",
+    )
+    gw.add_argument(
+        "--key-grant",
+        action="append",
+        metavar="key-<n>:priority=<int>,ttft_slo_ms=<ms>",
+        help="let API key n ask a priority below 0 or a TTFT target tighter than the server's (repeatable; "
+        "default: neither)",
+    )
     gw.add_argument(
         "--share-prefix-cache",
         action="store_true",
@@ -109,6 +126,7 @@ def run(args: argparse.Namespace) -> None:
     same gateway, start-up log, collector settings and exit status for both."""
     from stallfree.gateway.edge.auth import WILDCARD_HOSTS
     from stallfree.gateway.edge.connections import raise_file_limit
+    from stallfree.gateway.edge.grants import parse_grant
     from stallfree.gateway.engine.client import EngineClient
     from stallfree.gateway.observe.tracing import Tracing
     from stallfree.gateway.server import log_startup, make_server
@@ -119,6 +137,12 @@ def run(args: argparse.Namespace) -> None:
         args.token_budget = None
     config = scheduler_config(args, {})
     keys = tuple(args.api_key or ()) + tuple(k for k in os.environ.get("STALLFREE_API_KEYS", "").split(",") if k)
+    admin_keys = tuple(args.admin_key or ()) + tuple(
+        k for k in os.environ.get("STALLFREE_ADMIN_KEYS", "").split(",") if k
+    )
+    grants = dict(parse_grant(text) for text in args.key_grant or ())
+    if unknown := sorted(t for t in grants if int(t.removeprefix("key-")) not in range(1, len(keys) + 1)):
+        raise ValueError(f"--key-grant names {', '.join(unknown)}, but only {len(keys)} API key(s) are set")
     settings = GatewaySettings(
         max_waiting=args.max_waiting,
         max_waiting_per_key=args.max_waiting_per_key,
@@ -127,6 +151,8 @@ def run(args: argparse.Namespace) -> None:
         slow_consumer_s=args.slow_consumer_s,
         stalled_connection_s=args.stalled_connection_s,
         api_keys=keys,
+        admin_keys=admin_keys,
+        key_grants=grants,
         share_prefix_cache=args.share_prefix_cache,
         allowed_origins=tuple(args.allowed_origin or ()),
         host_names=() if args.host in WILDCARD_HOSTS else (args.host,),
@@ -155,7 +181,7 @@ def run(args: argparse.Namespace) -> None:
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
     server = make_server(client, args.host, args.port, send_buffer_bytes=send_buffer)
     facts["share_prefix_cache"] = settings.share_prefix_cache
-    log_startup(client, api_keys=len(keys), host=args.host, port=args.port, **facts)
+    log_startup(client, api_keys=len(keys), admin_keys=len(admin_keys), host=args.host, port=args.port, **facts)
     # Startup objects (tokenizer tables, model config, modules) move out of the
     # collector's way: full collections over them stalled token delivery.
     gc.collect()

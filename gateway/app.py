@@ -21,8 +21,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from stallfree.core.sched.config import LIVE_SETTINGS
 from stallfree.core.sched.step_loop import EngineStopped
 from stallfree.gateway.edge.auth import cross_origin_refusal, key_matches, request_key
+from stallfree.gateway.engine.backend import EngineBusy
 from stallfree.gateway.engine.client import EngineClient
-from stallfree.gateway.inputs.protocol import ProtocolError, error_body
+from stallfree.gateway.inputs.protocol import HTTP_STATUS, ProtocolError, error_body
 from stallfree.gateway.observe.dashboard import WEB_DIR, TelemetryHub, telemetry_endpoint
 from stallfree.gateway.openai.api import error_response, models, read_json
 from stallfree.gateway.openai.chat import chat_completions
@@ -37,10 +38,13 @@ async def metrics(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    """Liveness: 503 once the engine has stopped for good (the process is exiting)."""
+    """Liveness: 503 once the engine has stopped for good (the process is exiting).
+    A stalled engine may answer again: 200, and the body says so."""
     client: EngineClient = request.app.state.client
     if client.fatal is not None:
         return JSONResponse({"status": "failed", "reason": client.fatal}, status_code=503)
+    if client.stalled_s:
+        return JSONResponse({"status": "ok", "engine": "stalled", "silent_s": round(client.stalled_s, 1)})
     return JSONResponse({"status": "ok"})
 
 
@@ -52,6 +56,8 @@ async def readyz(request: Request) -> Response:
         body["replicas_ready"], body["replicas"] = client.replicas
     if client.fatal is not None:
         body["reason"] = client.fatal
+    elif client.stalled_s:
+        body["reason"] = f"the engine has not answered for {client.stalled_s:.1f} s"
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -71,6 +77,7 @@ def config_view(client: EngineClient) -> dict[str, Any]:
         "live_settings": [*LIVE_SETTINGS, "shed_load"],
         "model": client.settings.model_name,
         "auth_required": bool(client.settings.api_keys),
+        "operator_key_required": bool(client.settings.api_keys or client.settings.admin_keys),
     }
 
 
@@ -86,7 +93,7 @@ async def api_config(request: Request) -> Response:
         shed_load = changes.pop("shed_load", None)  # the gateway's own live setting
         if shed_load is not None and not isinstance(shed_load, bool):
             raise ProtocolError("invalid_request", "shed_load must be true or false", param="shed_load")
-        warnings = await asyncio.wrap_future(client.backend.reconfigure(changes)) if changes else []
+        warnings = await _reconfigure(client, changes) if changes else []
         if shed_load is not None:
             client.settings.shed_load = shed_load
         return JSONResponse({**config_view(client), "warnings": warnings})
@@ -100,19 +107,37 @@ async def api_config(request: Request) -> Response:
         return error_response("invalid_request", str(exc))
 
 
+async def _reconfigure(client: EngineClient, changes: dict[str, Any]) -> list[str]:
+    """The engine's answer to a settings change, or 503 when it is not answering."""
+    if client.stalled_s:
+        raise ProtocolError("unavailable", f"the engine has not answered for {client.stalled_s:.1f} s; retry shortly")
+    try:
+        future = client.backend.reconfigure(changes)
+    except EngineBusy as exc:
+        raise ProtocolError("unavailable", f"{exc}; retry shortly") from None
+    with anyio.move_on_after(RECONFIGURE_WAIT_S):
+        return await asyncio.wrap_future(future)
+    why = f"the engine has not answered within {RECONFIGURE_WAIT_S:g} s; the change applies when it does"
+    raise ProtocolError("unavailable", why)
+
+
+RECONFIGURE_WAIT_S = 10.0
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 TOKEN_PATHS = ("/tokenize", "/detokenize")
 
 
 class GuardMiddleware:
     """Before any route: a state-changing request from a browser page on
-    another origin is refused (403 ``forbidden``); with keys set, /v1/* and
-    changes to /api/config need a key (WebSockets check both themselves,
-    since browsers cannot set headers there)."""
+    another origin is refused (403 ``forbidden``); with API keys set, /v1/*
+    and the token endpoints need a key (WebSockets check theirs themselves,
+    since browsers cannot set headers there); with any key set, changing
+    /api/config needs an operator's key (``--admin-key``): 401 without a key,
+    403 with one that generates only."""
 
     def __init__(self, app: ASGIApp, client: EngineClient) -> None:
         self.app = app
         self.keys = client.settings.api_keys
+        self.admin_keys = client.settings.admin_keys
         self.client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -127,17 +152,31 @@ class GuardMiddleware:
                 self.client.report_error("forbidden")
                 await JSONResponse(error_body("forbidden", why), status_code=403)(scope, receive, send)
                 return
-        if self.keys and self._guarded(scope) and not key_matches(request_key(headers), self.keys):
-            self.client.report_error("unauthorized")
-            body = error_body("unauthorized", "missing or wrong API key (Authorization: Bearer <key>)")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
+        refusal = self._refusal(scope, request_key(headers))
+        if refusal is not None:
+            code, why = refusal
+            self.client.report_error(code)
+            await JSONResponse(error_body(code, why), status_code=HTTP_STATUS[code])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
-    @staticmethod
-    def _guarded(scope: Scope) -> bool:
+    def _refusal(self, scope: Scope, key: str | None) -> tuple[str, str] | None:
+        """(code, why) when the request's key does not open its path."""
         path = scope["path"]
-        return path.startswith("/v1/") or path in TOKEN_PATHS or (path == "/api/config" and scope["method"] != "GET")
+        if path == "/api/config" and scope["method"] not in SAFE_METHODS:
+            if not (self.keys or self.admin_keys):
+                return None
+            if key_matches(key, (), self.admin_keys):
+                return None
+            if not key_matches(key, self.keys):
+                return "unauthorized", "changing settings needs an operator key (Authorization: Bearer <key>)"
+            if not self.admin_keys:
+                return "forbidden", "this server has no operator key (--admin-key): its settings are fixed"
+            return "forbidden", "changing settings needs an operator key (--admin-key), not an API key"
+        guarded = path.startswith("/v1/") or path in TOKEN_PATHS
+        if self.keys and guarded and not key_matches(key, self.keys, self.admin_keys):
+            return "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)"
+        return None
 
 
 def _static_or_not_found(static: ASGIApp, not_found: ASGIApp) -> ASGIApp:

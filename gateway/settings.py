@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from stallfree.gateway.edge.grants import Grant
 
 
 @dataclass(slots=True)
@@ -22,7 +24,7 @@ class GatewaySettings:
     max_frame_bytes: int = 1 << 20  # WebSocket text frame
     max_body_bytes: int = 1 << 20  # HTTP request body
     body_timeout_s: float = 30.0  # the whole HTTP request body must arrive within this (else 408 timeout)
-    # connections (gateway/connections.py), checked before the app sees a request
+    # connections (gateway/edge/connections.py), checked before the app sees a request
     max_header_bytes: int = 32 * 1024  # request line + headers; more -> 431
     max_headers: int = 100  # header fields; more -> 431
     header_timeout_s: float = 10.0  # a request's line and headers must arrive within this (else 408, closed)
@@ -35,7 +37,12 @@ class GatewaySettings:
     # (after slow_consumer_s, so a stalled reader can still take its error frames first)
     stalled_connection_s: float = 60.0
     # security
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # keys that generate; a request's tenant is key-<n>
+    # operator keys: they alone change live settings (PUT /api/config) once any key is set,
+    # and they generate unbounded by grants; a request's tenant is admin-<n>
+    admin_keys: tuple[str, ...] = ()
+    # what each API key (by tenant id) may ask beyond the server's defaults (gateway.edge.grants)
+    key_grants: dict[str, Grant] = field(default_factory=dict)
     # one prefix cache for every API key. Off: each key's prompts hit only its own
     # cached blocks (Request.cache_salt), else a key could recover another key's
     # prompt block by block from cached_tokens or the time to first token. Turn
@@ -45,8 +52,11 @@ class GatewaySettings:
     # browser origins allowed to open sockets and send POST/PUT; empty: localhost and host_names only
     allowed_origins: tuple[str, ...] = ()
     host_names: tuple[str, ...] = ()  # the names this server is configured to answer as (--host)
-    # health
-    stuck_iteration_s: float = 300.0  # an iteration running longer than this is a hung engine: exit non-zero
+    # health: an engine that has answered no command for stall_grace_s beyond
+    # STALL_FACTOR x its running iteration's predicted time is stalled (/readyz false,
+    # streams told, new requests 503); stalled for hung_engine_s, it is hung (exit non-zero)
+    stall_grace_s: float = 2.0
+    hung_engine_s: float = 300.0
     fatal_exit_delay_s: float = 2.0  # a failed engine's server answers 503 this long, then exits non-zero
     # shutdown
     drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT, in-flight requests get this long to finish

@@ -1,7 +1,8 @@
 """``GET /v1/stream``: JSON text frames, several generations per connection.
 
 Client -> server: ``generate``, ``cancel``, ``ping``, ``auth`` (see ``ws_auth``).
-Server -> client: ``accepted``, ``token``, ``done``, ``error``, ``pong``.
+Server -> client: ``accepted``, ``token``, ``done``, ``error``, ``pong``, and
+``stalled`` / ``resumed`` when the engine stops answering and answers again.
 A disconnect aborts every generation of the connection at once.
 
 One writer task per connection empties all of its generations' streams when
@@ -28,7 +29,7 @@ from stallfree.gateway.edge.connections import OPEN_GENERATIONS, SEND_FRAMES, UN
 from stallfree.gateway.edge.ws_auth import accept
 from stallfree.gateway.engine.client import EngineClient
 from stallfree.gateway.engine.pieces import Piece, PieceMaker, ready_pieces
-from stallfree.gateway.engine.streams import RequestStream
+from stallfree.gateway.engine.streams import Notice, RequestStream
 from stallfree.gateway.inputs.protocol import (
     GenerateRequest,
     ProtocolError,
@@ -142,7 +143,7 @@ class Connection:
         elif kind == "auth":  # again, on a socket already open
             if not self.settings.api_keys:
                 await self.error("invalid_request", "this server takes no API key")
-            elif tenant_of(frame.get("api_key"), self.settings.api_keys) != self.tenant:
+            elif tenant_of(frame.get("api_key"), self.settings.api_keys, self.settings.admin_keys) != self.tenant:
                 self.client.report_error("unauthorized")
                 await self.error("unauthorized", "wrong API key (this socket keeps the key it opened with)")
             else:
@@ -246,6 +247,9 @@ class Connection:
         if generation is None or generation.stream is None or generation.maker is None:
             return
         for piece in ready_pieces(generation.stream, generation.maker):
+            if isinstance(piece, Notice):
+                _encode({"type": piece.kind, "id": gen_id, "silent_ms": piece.silent_ms}, out)
+                continue
             if isinstance(piece, ProtocolError):
                 self.gens.pop(gen_id, None)
                 _encode(self._error(piece.code, piece.message, gen_id), out)
@@ -289,8 +293,8 @@ def _echo(gen_id: object) -> str | None:
 
 
 def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    req = piece.request
-    timings = request_timings(req.timeline).as_dict() if req is not None else {}
+    end = piece.end
+    timings = request_timings(end.timeline).as_dict() if end is not None else {}
     return {
         "type": "done",
         "id": gen_id,
@@ -298,9 +302,9 @@ def _done(gen_id: str, piece: Piece, prompt_tokens: int, completion_tokens: int)
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
-            "cached_tokens": req.num_cached_tokens if req is not None else 0,
-            "draft_tokens": req.num_draft_tokens if req is not None else 0,
-            "accepted_draft_tokens": req.num_accepted_tokens if req is not None else 0,
+            "cached_tokens": end.num_cached_tokens if end is not None else 0,
+            "draft_tokens": end.num_draft_tokens if end is not None else 0,
+            "accepted_draft_tokens": end.num_accepted_tokens if end is not None else 0,
         },
         "timings": {k: timings.get(k, 0.0) for k in TIMINGS},
     }

@@ -36,7 +36,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from stallfree.core.cluster.stats import ReplicaStats
-from stallfree.core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput, check_request
+from stallfree.core.sched.engine import Counts, EngineSnapshot, RequestOutput, StepOutput
 from stallfree.core.sched.request import FinishReason, Request, RequestStatus
 from stallfree.gateway.engine.backend import EngineListener
 from stallfree.scaleout.board import BOARD, PREFILL_BOARD
@@ -93,7 +93,10 @@ class RemoteEngine:
         self.traceparent = traceparent  # the request's root span, which the replica's span joins
         self.ingress = uuid.uuid4().hex  # this gateway, to the replicas
         self.last_step_ns = 0
-        self.busy_since_ns = 0  # iterations run on the replicas; none ever hangs this process
+        # iterations run on the replicas, which answer for themselves (``_replica_lost``): this
+        # process is never owed an answer the watchdog could wait for
+        self.owed_since_ns = 0
+        self.busy_predicted_s = 0.0
         self.alive = True
         self._offset = wall_offset_ns()
         self._inflight: dict[str, _InFlight] = {}
@@ -147,7 +150,6 @@ class RemoteEngine:
         )
 
     def submit(self, req: Request) -> Future[None]:
-        check_request(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.vocab_size)
         f = self._inflight[req.request_id] = _InFlight(req)
         if self.prefill is not None and req.num_prompt_tokens > 1:  # (a 1-token prompt has no KV to hand over)
             head = self._inflight.get(req.prefill_after or "")
@@ -174,6 +176,10 @@ class RemoteEngine:
         self.config, warnings = self.config.with_changes(changes)
         self.config_version += 1  # each replica applies it before its next request
         return _done(warnings)
+
+    def ping(self) -> Future[None]:
+        """Answered here: replicas report on their own (``replica_counts``)."""
+        return _done(None)
 
     # -- requests ------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -257,7 +263,7 @@ class RemoteEngine:
         req = f.request
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         req.timeline.finished_ns = time.perf_counter_ns()
-        self._on_step(StepOutput(None, [RequestOutput(request_id, [], reason, req)], self.counts()))
+        self._on_step(StepOutput(None, [RequestOutput(request_id, [], reason, req.end())], self.counts()))
 
     # -- feeds -----------------------------------------------------------------
     async def _feed(self, replica: str) -> None:
@@ -289,8 +295,8 @@ class RemoteEngine:
                 f.prefill = None  # its KV, kept for a retry until now, can go
             if out.finish_reason is not None:
                 del self._inflight[out.request_id]
-                if out.request is not None:  # its timeline onto this process's clock
-                    tl = out.request.timeline
+                if out.end is not None:  # its timeline onto this process's clock
+                    tl = out.end.timeline
                     shift(tl, -self._offset)
                     tl.arrival_ns = f.request.arrival_ns  # the client's wait includes the hop
             known.append(out)

@@ -218,10 +218,10 @@ class EngineReplica:
                 continue
             if o.finish_reason is not None:
                 del self._jobs[o.request_id]
-                if o.request is not None:
-                    tl = o.request.timeline
+                if o.end is not None:
+                    tl = o.end.timeline  # the job's request's, which the step loop ran here
                     shift(tl, self.wall_offset)  # onto the wall clock for the trip
-                    self._trace(o.request, job.traceparent, "engine.replica", job)
+                    self._trace(job.request, job.traceparent, "engine.replica", job)
                     if job.kv is not None:  # its prompt's phases happened on the prefill replica
                         tl.scheduled_ns, tl.chunks = job.kv.timeline.scheduled_ns, job.kv.timeline.chunks + tl.chunks
             by_ingress.setdefault(job.ingress, []).append(o)

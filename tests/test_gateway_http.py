@@ -222,14 +222,15 @@ def test_tbt_target_is_a_live_setting_with_its_prediction_in_metrics(server):
 
 
 def test_api_keys_on_http():
-    srv = sim_server(settings=GatewaySettings(api_keys=("k1", "k2")))
+    srv = sim_server(settings=GatewaySettings(api_keys=("k1", "k2"), admin_keys=("op",)))
     try:
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         r = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
         assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer op"}).status_code == 200
         assert httpx.put(srv.url + "/api/config", json={"token_budget": 600}).status_code == 401
-        ok = httpx.put(srv.url + "/api/config", json={"token_budget": 600}, headers={"Authorization": "Bearer k1"})
+        ok = httpx.put(srv.url + "/api/config", json={"token_budget": 600}, headers={"Authorization": "Bearer op"})
         assert ok.status_code == 200
         assert httpx.get(srv.url + "/api/config").status_code == 200  # reading is open
         assert httpx.get(srv.url + "/healthz").status_code == 200

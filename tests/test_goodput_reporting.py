@@ -46,6 +46,10 @@ def ended(
     return req
 
 
+def finish(observer: Telemetry, req: Request) -> None:
+    observer.on_finish(req, req.end())
+
+
 def good() -> Request:
     return ended(200, [20] * 10)
 
@@ -81,7 +85,7 @@ def test_metrics_count_good_requests_and_each_target_met():
     metrics = Metrics()
     assert sample(metrics, "stallfree_target_met_total", target="ttft") == 0  # present before any request
     for req in (good(), late(), stalled(), one_spike(), aborted()):
-        metrics.on_finish(req, req.finish_reason)
+        metrics.on_finish(req, req.end())
     assert sample(metrics, "stallfree_requests_good_total") == 2  # good, one_spike
     assert sample(metrics, "stallfree_target_met_total", target="ttft") == 4  # all but late
     assert sample(metrics, "stallfree_target_met_total", target="tbt") == 4  # all but stalled
@@ -101,8 +105,10 @@ def test_a_request_with_no_targets_is_good_once_it_completes():
     slow = ended(5_000, [900] * 3, ttft_slo_ms=0.0)
     slow.tbt_slo_ms = 0.0
     never_scheduled = Request("n", [1], SamplingParams(), time.perf_counter_ns())  # no target given
-    metrics.on_finish(slow, FinishReason.STOP)
-    metrics.on_finish(never_scheduled, FinishReason.ABORT)
+    slow.finish_reason = FinishReason.STOP
+    never_scheduled.finish_reason = FinishReason.ABORT
+    metrics.on_finish(slow, slow.end())
+    metrics.on_finish(never_scheduled, never_scheduled.end())
     assert sample(metrics, "stallfree_requests_good_total") == 1
     assert sample(metrics, "stallfree_target_met_total", target="ttft") == 2
 
@@ -110,12 +116,12 @@ def test_a_request_with_no_targets_is_good_once_it_completes():
 def test_telemetry_shares_over_the_last_requests_and_since_start():
     telemetry = Telemetry()
     for i in range(50):
-        telemetry.on_finish(ended(900, [20] * 10, request_id=f"late{i}"), FinishReason.LENGTH)
+        finish(telemetry, ended(900, [20] * 10, request_id=f"late{i}"))
     first = telemetry.frame({})["goodput"]
     assert first["recent"] == {"requests": 50, "good": 0, "ttft_met": 0, "tbt_met": 50}
     for i in range(GOOD_WINDOW):
-        telemetry.on_finish(ended(200, [20] * 10, request_id=f"good{i}"), FinishReason.STOP)
-    telemetry.on_finish(stalled(), FinishReason.LENGTH)
+        finish(telemetry, ended(200, [20] * 10, FinishReason.STOP, request_id=f"good{i}"))
+    finish(telemetry, stalled())
     goodput = telemetry.frame({})["goodput"]
     n = GOOD_WINDOW
     assert goodput["recent"] == {"requests": n, "good": n - 1, "ttft_met": n, "tbt_met": n - 1}  # the late ones left
@@ -134,7 +140,7 @@ def test_root_span_carries_the_verdict_and_the_targets():
     try:
         for req in (spike, missed):
             tracing.on_submit(req, "chat", "smol", None)
-            tracing.on_finish(req, req.finish_reason)
+            tracing.on_finish(req, req.end())
         assert tracing.provider.force_flush(5_000)
         spans = exporter.get_finished_spans()
     finally:
@@ -150,7 +156,7 @@ def test_the_log_line_says_whether_the_request_was_good():
     log = RequestLog(tokenizer=None)  # no text asked for: the tokenizer is never used
     with capture_logs() as logs:
         for req in (one_spike(), stalled(), aborted()):
-            log.on_finish(req, req.finish_reason)
+            log.on_finish(req, req.end())
     judged = [(e["good"], e["ttft_met"], e["tbt_met"], e["max_gap_ms"]) for e in logs]
     assert judged == [(True, True, True, 400), (False, True, False, 400), (False, True, True, 20)]
     assert (logs[0]["ttft_slo_ms"], logs[0]["tbt_slo_ms"]) == (TTFT_SLO_MS, TBT_SLO_MS)

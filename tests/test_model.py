@@ -17,7 +17,7 @@ from stallfree.core.model.model_runner import ModelRunner, kv_blocks_for
 from stallfree.core.sched.batch import Batch, Item
 from stallfree.core.sched.block_manager import BlockManager
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
-from stallfree.core.sched.engine import Engine, RequestRejected
+from stallfree.core.sched.engine import Engine, RequestRejected, check_request
 from stallfree.core.sched.request import Request, SamplingParams
 from stallfree.kernels import build_attention_meta, cpu_build, paged_attention, write_kv
 from tests.simkit import request, run_to_completion, tokens
@@ -205,18 +205,22 @@ def test_bad_model_directories_name_the_file(tmp_path):
 def test_bad_requests_are_refused_before_work(tiny_model):
     runner = ModelRunner(tiny_model, 64, 16, torch.float32, CPU)
     engine = Engine(SchedulerConfig(max_model_len=512), CacheConfig(64, 16), runner)
+
+    def check(req: Request) -> None:  # what the gateway asks before any engine sees a request
+        check_request(req.num_prompt_tokens, req.sampling, engine.config.max_model_len, runner.vocab_size)
+
     with pytest.raises(RequestRejected, match="context limit") as info:
-        engine.add_request(Request("long", tokens("l", 600), SamplingParams(), 0))
+        check(Request("long", tokens("l", 600), SamplingParams(), 0))
     assert info.value.code == "prompt_too_long"
     for bad, field in [
         (SamplingParams(temperature=-1), "temperature"),
         (SamplingParams(top_p=0), "top_p"),
         (SamplingParams(top_k=-2), "top_k"),
+        (SamplingParams(top_k=runner.vocab_size + 1), "top_k"),
         (SamplingParams(max_tokens=0), "max_tokens"),
     ]:
         with pytest.raises(ValueError, match=field):
-            engine.add_request(Request("x", [5, 6], bad, 0))
-    assert not engine.has_work
+            check(Request("x", [5, 6], bad, 0))
 
 
 def test_profile_fits_and_chooses_a_budget(tiny_model):

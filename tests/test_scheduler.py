@@ -6,6 +6,7 @@ import pytest
 
 from stallfree.core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
 from stallfree.core.sched.config import SchedulerConfig
+from stallfree.core.sched.engine import check_request
 from stallfree.core.sched.request import RequestStatus
 from tests.simkit import request, run_to_completion, sim_engine
 from tests.simkit import step_items as run_step
@@ -140,8 +141,9 @@ def test_mode_switch_live_takes_effect_next_iteration():
     assert step_items(e) == [("d1", 1, False), ("long", 39, True)]
     assert e.reconfigure({"chunking": "none"}) == []
     assert step_items(e) == [("long", 161, True)]  # the rest of the partial prefill, whole
-    with pytest.raises(ValueError, match="cannot change"):
+    with pytest.raises(ValueError, match="cannot be changed at runtime") as info:
         e.reconfigure({"max_num_seqs": 3})
+    assert "max_num_seqs" not in str(info.value)  # a name is the caller's input: never echoed
     with pytest.raises(ValueError, match="chunking"):
         e.reconfigure({"chunking": "sometimes"})
 
@@ -306,12 +308,17 @@ def test_requests_that_can_never_run_are_refused():
     e = sim_engine(num_blocks=8, block_size=4, max_model_len=64)
     assert e.config.max_model_len == 32
     assert "exceeds the KV cache" in e.warnings[0]
+
+    def check(req):  # the one check, which the gateway makes before any engine sees a request
+        check_request(req.num_prompt_tokens, req.sampling, e.config.max_model_len, e.runner.vocab_size)
+
     with pytest.raises(ValueError, match="context limit is 32"):
-        e.add_request(request("a", 32))
+        check(request("a", 32))
     with pytest.raises(ValueError, match="empty"):
-        e.add_request(request("c", []))
+        check(request("c", []))
     with pytest.raises(ValueError, match="temperature"):
-        e.add_request(request("d", 4, temperature=float("nan")))
+        check(request("d", 4, temperature=float("nan")))
+    check(request("ok", 4))
     e.add_request(request("ok", 4))
     with pytest.raises(ValueError, match="duplicate"):
         e.add_request(request("ok", 4))

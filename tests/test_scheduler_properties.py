@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from stallfree.core.analysis.cost_model import LLAMA3_8B, CostModel, HardwareSpec
 from stallfree.core.sched.config import CHUNKING_MODES, POLICIES
-from stallfree.core.sched.engine import RequestRejected
+from stallfree.core.sched.engine import RequestRejected, check_request
 from stallfree.core.sched.request import FinishReason, RequestStatus
 from tests.simkit import examples, request, sim_engine, tokens
 
@@ -118,8 +118,8 @@ def run(
         while pending and reqs[pending[0]].arrival_ns <= e.clock.now_ns:
             i = pending.pop(0)
             if reqs[i].num_prompt_tokens >= e.config.max_model_len:
-                with pytest.raises(RequestRejected):
-                    e.add_request(reqs[i])
+                with pytest.raises(RequestRejected):  # the check the gateway makes before any engine sees it
+                    check_request(reqs[i].num_prompt_tokens, reqs[i].sampling, e.config.max_model_len, SMALL_VOCAB)
                 reqs[i].status = RequestStatus.FINISHED  # refused before any work
                 continue
             e.add_request(reqs[i])

@@ -28,8 +28,8 @@ def drain(s: RequestStream) -> list[Delta]:
 def test_overflow_coalesces_into_one_delta_in_order():
     s = RequestStream("r", capacity=2, slow_consumer_s=60)
     for i in range(6):
-        assert s.put([i], emit_ns=i, finish_reason=None, request=None)
-    assert s.put([6], emit_ns=6, finish_reason="length", request=None)
+        assert s.put([i], emit_ns=i, finish_reason=None, end=None)
+    assert s.put([6], emit_ns=6, finish_reason="length", end=None)
     got = drain(s)
     assert [d.token_ids for d in got] == [[0], [1], [2, 3, 4, 5, 6]]
     assert [d.first_index for d in got] == [0, 1, 2]

@@ -9,6 +9,7 @@ budget of 100 tokens and nobody decoding, the pace is 100 tokens per 60 ms.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import httpx
 import pytest
@@ -136,15 +137,23 @@ def test_fair_share_between_two_keys_under_deadlines():
 
 
 # -- admission -----------------------------------------------------------------------
+LAST = (0.0, math.inf)  # a newcomer's place behind every queued prompt
+
+
+def queue(pace: Pace, tokens: int, seen: int = 0) -> Forecast:
+    """A forecast of ``tokens`` queued in one prompt due at once: ahead of any newcomer."""
+    return Forecast.of(pace, seen, [((0.0, 0.0), tokens)] if tokens else [], {})
+
+
 def test_admission_refuses_only_what_the_queue_makes_late():
     pace = Pace(100, 0.1)
-    late = verdict(Forecast(1000, pace, 0), 100, 500.0)
+    late = verdict(queue(pace, 1000), 100, 500.0, LAST)
     assert (late.on_time, late.refusable) == (False, True)
     assert late.predicted_s == pytest.approx(1.1) and late.retry_after_s == 1
-    assert verdict(Forecast(300, pace, 0), 100, 500.0).on_time
-    alone = verdict(Forecast(0, pace, 0), 1000, 500.0)  # too long even alone: waiting would not help
+    assert verdict(queue(pace, 300), 100, 500.0, LAST).on_time
+    alone = verdict(queue(pace, 0), 1000, 500.0, LAST)  # too long even alone: waiting would not help
     assert (alone.on_time, alone.refusable) == (False, False)
-    assert verdict(Forecast(10_000, pace, 0), 100, 0.0).on_time  # no target: always on time
+    assert verdict(queue(pace, 10_000), 100, 0.0, LAST).on_time  # no target: always on time
 
 
 @settings(max_examples=examples(300), deadline=None)
@@ -160,7 +169,7 @@ def test_admission_refuses_exactly_when_the_prediction_misses(
     backlog, unseen, prompt, tokens_per, iteration_ms, target_ms
 ):
     pace = Pace(tokens_per, iteration_ms / 1e3)
-    v = verdict(Forecast(backlog, pace, 0), prompt, target_ms, unseen)
+    v = verdict(queue(pace, backlog), prompt, target_ms, LAST, unseen)
     predicted = pace.prefill_s(backlog + unseen + prompt)
     assert v.predicted_s == predicted
     assert v.on_time == (predicted <= target_ms / 1e3)
@@ -173,11 +182,11 @@ def test_admission_refuses_exactly_when_the_prediction_misses(
 def test_the_gateway_counts_prompts_the_forecast_has_not_seen():
     admission = Admission(GatewaySettings())
     pace = Pace(100, 0.1)
-    admission.sent(500)
-    admission.sent(300)
-    v = admission.predict(Forecast(0, pace, seen=1), 100, 10_000.0)  # the first is in the forecast's backlog
+    admission.sent(1, (0.0, 1.0), 500)
+    admission.sent(1, (0.0, 2.0), 300)
+    v = admission.predict(queue(pace, 0, seen=1), 100, 10_000.0, LAST)  # the first is in the forecast's backlog
     assert v is not None and v.predicted_s == pytest.approx(pace.prefill_s(300 + 100))
-    assert admission.predict(Forecast(0, pace, seen=2), 100, 0.0) is None  # no target: no prediction
+    assert admission.predict(queue(pace, 0, seen=2), 100, 0.0, LAST) is None  # no target: no prediction
 
 
 def test_the_forecast_counts_only_prompts_that_can_still_make_it():
@@ -189,7 +198,7 @@ def test_the_forecast_counts_only_prompts_that_can_still_make_it():
     e.add_request(late)
     e.add_request(request("ok", 300, arrival_ns=0))
     forecast = e.scheduler.forecast(0)
-    assert forecast is not None and forecast.backlog_tokens == 300 and forecast.seen == 3
+    assert forecast is not None and forecast.ahead(LAST) == 300 and forecast.seen == 3
 
 
 def simulated_overload(shed: bool):
@@ -266,16 +275,20 @@ def test_shed_load_refuses_at_once_without_a_block_or_a_prefill(server):
         http.put("/api/config", json={"shed_load": True}).raise_for_status()
         try:
             added = server.engine_call(lambda: server.loop.engine.scheduler.num_added)
-            with_forecast(server, Forecast(100_000, Pace(100, 0.1), seen=added))
+            with_forecast(server, queue(Pace(100, 0.1), 100_000, seen=added))
             r = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
             assert r.status_code == 429, r.text
             assert int(r.headers["retry-after"]) >= 1
             assert "TTFT target" in r.json()["error"]["message"]
             assert server.engine_call(lambda: server.loop.engine.scheduler.num_added) == added  # never queued
             assert server.kv_used() == 0
-            # no target of its own: nothing to predict, admitted
-            ok = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4, "ttft_slo_ms": 0})
-            assert ok.status_code == 200 and "x-stallfree-predicted-ttft-ms" not in ok.headers
+            # opting out of the server's target escapes nothing: judged by the server's
+            r = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4, "ttft_slo_ms": 0})
+            assert r.status_code == 429, r.text
+            # a target of its own that the queue ahead leaves room for: admitted
+            loose = {"prompt": "hello there", "max_tokens": 4, "ttft_slo_ms": 600_000}
+            ok = http.post("/v1/completions", json=loose)
+            assert ok.status_code == 200 and "x-stallfree-best-effort" not in ok.headers
         finally:
             http.put("/api/config", json={"shed_load": False}).raise_for_status()
 
@@ -285,7 +298,7 @@ def test_best_effort_is_said_and_never_refused_with_an_empty_queue(server):
         http.put("/api/config", json={"shed_load": True}).raise_for_status()
         try:
             seen = server.engine_call(lambda: server.loop.engine.scheduler.num_added)
-            with_forecast(server, Forecast(0, Pace(1, 1.0), seen=seen))  # 1 token a second: late even alone
+            with_forecast(server, queue(Pace(1, 1.0), 0, seen=seen))  # 1 token a second: late even alone
             r = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
             assert r.status_code == 200, r.text
             assert r.headers["x-stallfree-best-effort"] == "1"
@@ -315,7 +328,7 @@ def test_the_target_round_trips_live_and_bad_values_are_refused(server):
 async def test_the_websocket_says_best_effort_and_refuses_with_a_frame(server):
     seen = server.engine_call(lambda: server.loop.engine.scheduler.num_added)
     async with connect(server.ws_url) as ws:
-        with_forecast(server, Forecast(0, Pace(1, 1.0), seen=seen))  # late even alone: best-effort
+        with_forecast(server, queue(Pace(1, 1.0), 0, seen=seen))  # late even alone: best-effort
         await send(ws, type="generate", id="a", prompt="hello there", max_tokens=2)
         accepted = (await collect(ws, ["a"]))["a"][0]
         assert accepted["type"] == "accepted" and accepted["best_effort"] is True
@@ -323,7 +336,7 @@ async def test_the_websocket_says_best_effort_and_refuses_with_a_frame(server):
         server.client.settings.shed_load = True
         try:
             seen = server.engine_call(lambda: server.loop.engine.scheduler.num_added)
-            with_forecast(server, Forecast(100_000, Pace(100, 0.1), seen=seen))
+            with_forecast(server, queue(Pace(100, 0.1), 100_000, seen=seen))
             await send(ws, type="generate", id="b", prompt="hello there", max_tokens=2)
             refused = (await collect(ws, ["b"]))["b"][-1]
             assert refused["type"] == "error" and refused["code"] == "overloaded"

@@ -57,6 +57,7 @@ class Cluster:
     workers: list[Worker]
     events: list[tuple[int, int, Any]] = field(default_factory=list)  # (time ns, order, payload)
     order: itertools.count[int] = field(default_factory=itertools.count)
+    running: dict[str, Request] = field(default_factory=dict)  # added and not yet ended, by id
 
     @classmethod
     def build(cls, names: list[str], scheduler: SchedulerConfig, cache: CacheConfig, cost: CostModel) -> Cluster:
@@ -73,7 +74,13 @@ class Cluster:
     def add(self, worker: Worker, req: Request, t_ns: int) -> None:
         worker.clock.now_ns = max(worker.clock.now_ns, t_ns)
         worker.engine.add_request(req)
+        self.running[req.request_id] = req
         worker.events += 1
+
+    def ended(self, out: StepOutput | None) -> list[Request]:
+        """The requests an iteration's output says have ended."""
+        outputs = out.outputs if out is not None else []
+        return [self.running.pop(o.request_id) for o in outputs if o.end is not None]
 
     def next(self) -> tuple[int, Any] | tuple[Worker, StepOutput | None] | None:
         """The next thing that happens: an event (time, payload), or an
@@ -132,11 +139,9 @@ def simulate_cluster(
             result.requests.append((req, replica.name))
             continue
         worker, out = nxt
-        for o in out.outputs if out is not None else ():
-            if o.request is None:
-                continue
-            conv = conversation_of.pop(o.request_id)
-            think_s = session.answered(conv, o.request.output_token_ids)
+        for req in cluster.ended(out):
+            conv = conversation_of.pop(req.request_id)
+            think_s = session.answered(conv, req.output_token_ids)
             if think_s is not None:
                 cluster.at(worker.clock.now_ns + int(think_s * 1e9), conv)
     result.fallbacks = router.fallbacks

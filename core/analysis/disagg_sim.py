@@ -80,24 +80,22 @@ def simulate_disaggregated(
                 cluster.add(min(decode, key=lambda w: w.load), _fresh(a, a.max_tokens, len(a.prompt) - 1), t_ns)
             continue
         worker, out = nxt
-        for o in out.outputs if out is not None else ():
-            if o.request is None:
-                continue
+        for req in cluster.ended(out):
             if worker in prefill:  # its KV onto the link, behind what is already on it
                 done = worker.clock.now_ns
-                wire_ns = int(len(o.request.prompt_token_ids) * kv_per_token * 8 / (link.gbps * 1e9) * 1e9)
+                wire_ns = int(len(req.prompt_token_ids) * kv_per_token * 8 / (link.gbps * 1e9) * 1e9)
                 start = max(done, link_free_ns[worker.name])
                 link_free_ns[worker.name] = start + wire_ns
                 landed = start + wire_ns + int(link.latency_s * 1e9)
-                t = request_timings(o.request.timeline)
-                phases[o.request_id] = {
+                t = request_timings(req.timeline)
+                phases[req.request_id] = {
                     "prefill_worker_ms": t.e2e_ms,
                     "transfer_ms": (landed - done) / 1e6,
                     "queue_wait_ms": t.queue_wait_ms,  # the scheduling delay: at the prefill worker
                 }
-                cluster.at(landed, o.request_id)
+                cluster.at(landed, req.request_id)
             else:
-                finished.append(o.request)
+                finished.append(req)
     return _report(finished, phases, cluster, "disaggregated")
 
 
@@ -115,7 +113,7 @@ def simulate_colocated(
             cluster.add(min(cluster.workers, key=lambda w: (w.load, _queued_tokens(w))), _fresh(a, a.max_tokens), t_ns)
             continue
         _, out = nxt
-        finished += [o.request for o in (out.outputs if out is not None else ()) if o.request is not None]
+        finished += cluster.ended(out)
     return _report(finished, {}, cluster, "colocated")
 
 

@@ -31,6 +31,7 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.deadline import verdict
 from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.policy import newcomer_place
 from stallfree.core.sched.request import FinishReason, Request, SamplingParams
 from stallfree.core.sched.timings import judge, request_timings, summarize
 
@@ -156,9 +157,11 @@ def simulate(
             req = Request(a.request_id, a.prompt, sampling, int(a.at_s * 1e9), a.priority, a.tenant)
             i += 1
             forecast = engine.scheduler.forecast(clock.now_ns)
-            if shed_load and forecast is not None:
-                found = verdict(forecast, len(a.prompt), engine.config.ttft_slo_ms)
-                if found.refusable:
+            target = engine.config.ttft_slo_ms
+            if shed_load and forecast is not None and target:
+                due = int(a.at_s * 1e9) + target * 1e6
+                place = newcomer_place(engine.config.policy, a.priority, a.tenant, len(a.prompt), forecast.served, due)
+                if verdict(forecast, len(a.prompt), target, place).refusable:
                     shed.append(a.request_id)
                     continue
             engine.add_request(req)

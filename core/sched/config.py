@@ -193,8 +193,9 @@ class SchedulerConfig:
     def with_changes(self, changes: dict[str, Any]) -> tuple[SchedulerConfig, list[str]]:
         """Apply live changes (only LIVE_SETTINGS) and validate the result."""
         unknown = set(changes) - set(LIVE_SETTINGS)
-        if unknown:
-            raise ValueError(f"cannot change {', '.join(sorted(unknown))} at runtime")
+        if unknown:  # not named back: a name is the caller's input, of any size
+            live = ", ".join(LIVE_SETTINGS)
+            raise ValueError(f"{len(unknown)} setting(s) cannot be changed at runtime; the live settings: {live}")
         return dataclasses.replace(self, **changes).validated()
 
 

@@ -15,12 +15,21 @@ still can (eager relegation, as Niyama does), or everybody would miss
 together; among those that can, the nearest deadline goes first
 (``core.sched.policy.deadline_order``). The starvation ceiling still bounds
 how long any prompt waits.
+
+Admission's forecast counts, for a newcomer, only the prefill that will run
+ahead of it in that order: prompts of a more urgent class (the policy's:
+``core.sched.policy.class_rank``), then those of its class due no later, and
+whatever has waited past the ceiling; never a prompt due after it (another
+key's 10-minute targets do not make a 2-second one late), nor one already
+late (those go after it).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from stallfree.core.sched.request import Request
 
@@ -55,16 +64,41 @@ def slack_s(req: Request, now_ns: int, pace: Pace | None) -> float:
     return (due - now_ns) / 1e9 - needed
 
 
+# A prompt's place in the order: (its policy class, when it is due in perf_counter_ns;
+# math.inf: it has no target). Whatever has waited past the ceiling has class -inf.
+Place = tuple[float, float]
+OVERDUE = -math.inf
+
+
 @dataclass(slots=True, frozen=True)
 class Forecast:
-    """What admission reads of the queue after an iteration: the prefill tokens
-    queued ahead of a newcomer (the prompts that can still meet their targets:
-    late ones go after it), the pace, and how many requests the engine had been
-    given by then (those sent since are not in the backlog yet)."""
+    """What admission reads of the queue after an iteration: the queued prompts
+    that can still meet their targets (late ones go after any newcomer), as
+    their places in order with the prefill tokens queued up to each; the pace;
+    how many requests the engine had been given by then (those sent since are
+    not in it yet); and, under the fair policy, each queued tenant's tokens
+    served (its class)."""
 
-    backlog_tokens: int
     pace: Pace
     seen: int
+    places: tuple[Place, ...] = ()  # sorted
+    tokens_through: tuple[int, ...] = ()  # prefill tokens still needed by the prompts up to each place
+    served: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, pace: Pace, seen: int, queued: list[tuple[Place, int]], served: Mapping[str, int]) -> Forecast:
+        """From (place, tokens still needed) of each queued prompt, in any order."""
+        queued.sort()
+        total, through = 0, []
+        for _, tokens in queued:
+            total += tokens
+            through.append(total)
+        return cls(pace, seen, tuple(place for place, _ in queued), tuple(through), served)
+
+    def ahead(self, place: Place) -> int:
+        """Prefill tokens queued ahead of a newcomer at ``place`` (ties: the queued go first)."""
+        i = bisect.bisect_right(self.places, place)
+        return self.tokens_through[i - 1] if i else 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,12 +111,13 @@ class Verdict:
     retry_after_s: int  # refusable: whole seconds until the queue is predicted to have drained enough (else 0)
 
 
-def verdict(forecast: Forecast, prompt_tokens: int, target_ms: float, unseen_tokens: int = 0) -> Verdict:
-    """Can a prompt of ``prompt_tokens`` arriving now meet ``target_ms`` (0: no
-    target), behind the backlog and ``unseen_tokens`` sent since the forecast?
+def verdict(forecast: Forecast, prompt_tokens: int, target_ms: float, place: Place, unseen_tokens: int = 0) -> Verdict:
+    """Can a prompt of ``prompt_tokens`` arriving now at ``place`` meet
+    ``target_ms`` (0: no target), behind what the forecast queues ahead of it
+    and ``unseen_tokens`` sent since the forecast that will run ahead of it?
     Never refusable with nothing ahead: waiting would not help it."""
     pace = forecast.pace
-    ahead = forecast.backlog_tokens + unseen_tokens
+    ahead = forecast.ahead(place) + unseen_tokens
     predicted = pace.prefill_s(ahead + prompt_tokens)
     target_s = target_ms / 1e3
     on_time = not target_ms or predicted <= target_s

@@ -20,7 +20,7 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.deadline import Forecast
 from stallfree.core.sched.drafts import Drafter
-from stallfree.core.sched.request import FinishReason, Request, SamplingParams
+from stallfree.core.sched.request import FinishReason, Request, RequestEnd, SamplingParams
 from stallfree.core.sched.runner import Runner
 from stallfree.core.sched.scheduler import ScheduleFailed, Scheduler
 
@@ -42,7 +42,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
-    request: Request | None = None  # set once finished: the engine no longer touches it
+    end: RequestEnd | None = None  # set once finished
     stalled: bool = False  # the gap before this token was stalled: another request's prefill ran in it
     logprobs: list[Logprobs] | None = None  # one per new token, when the request asked
 
@@ -82,7 +82,9 @@ class StepOutput:
 
 
 def check_request(num_prompt_tokens: int, sampling: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    """Refuse what can never run (``RequestRejected``, or ValueError naming a sampling field)."""
+    """Refuse what can never run (``RequestRejected``, or ValueError naming a
+    sampling field). The gateway's ``EngineClient`` calls it, once, before a
+    request goes to any engine: the engine runs what it is given."""
     sampling.validate()
     if sampling.top_k > vocab_size:
         raise RequestRejected("invalid_request", f"top_k must be at most the vocabulary size ({vocab_size})")
@@ -129,6 +131,8 @@ class Engine:
         self._unreported: list[Request] = []  # finished outside an iteration (aborts, failures)
         self.failed_in_a_row = 0
         self.broken: str | None = None  # why the engine cannot go on, once it cannot
+        # told each batch's predicted time before it runs (the step loop publishes it for the watchdog)
+        self.scheduled: Callable[[float], None] | None = None
 
     @property
     def config(self) -> SchedulerConfig:
@@ -142,7 +146,7 @@ class Engine:
 
     # -- requests ----------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        check_request(req.num_prompt_tokens, req.sampling, self.config.max_model_len, self.runner.vocab_size)
+        """Queue req, which its caller has checked (``check_request``)."""
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> bool:
@@ -173,6 +177,8 @@ class Engine:
         batch: Batch | None = None
         try:
             batch = self.scheduler.schedule(start_ns)
+            if self.scheduled is not None:
+                self.scheduled(batch.predicted_s)
             self._prepare(batch)
             if not batch.items:
                 return self._collect(None, [])
@@ -253,10 +259,10 @@ class Engine:
                 if last.logprobs is not None and new.logprobs is not None:
                     last.logprobs.append(new.logprobs)
                 continue
-            finished = req if reason is not None else None
+            end = req.end() if reason is not None else None
             logprobs = [new.logprobs] if new.logprobs is not None else None
-            outputs.append(RequestOutput(req.request_id, [new.token], reason, finished, new.stalled, logprobs))
-        outputs += [RequestOutput(r.request_id, [], r.finish_reason, r) for r in self._unreported]
+            outputs.append(RequestOutput(req.request_id, [new.token], reason, end, new.stalled, logprobs))
+        outputs += [RequestOutput(r.request_id, [], r.finish_reason, r.end()) for r in self._unreported]
         self._unreported = []
         if record is None and not outputs:
             return None

@@ -9,19 +9,22 @@ whatever the gateway is doing; the gateway's process keeps the event loop and
 the per-user queues. On the 2-core Zen 4 both ways ran decode iterations at
 0.94-1.19x the engine's alone (bench/results/server_overhead-*.md).
 
-The wire: two pipes (one each way) of length-prefixed, pickled lists of messages. Gateway → engine: ``submit``,
-``abort``, ``reconfigure``, ``stop``. Engine → gateway: each iteration's
-``StepOutput`` (one message an iteration), the replies to commands and
-``fatal``, in the order the step thread produced them. A sender thread in the
-engine writes them, so a slow gateway never holds up an iteration: what piles
-up meanwhile goes out in one write. The gateway reads the pipe on its event
-loop (``add_reader``), with no thread of its own; ``Frames`` cuts what it
-reads into messages.
+The wire (``core.sched.wire``): two pipes, one each way, of framed lists of
+typed messages. A thread of the engine reads the gateway's commands and hands
+them to the step loop; a sender thread writes the engine's messages, so a
+slow gateway never holds up an iteration: what piles up meanwhile goes out in
+few writes (at most ``FRAME_MESSAGES`` a frame). The sender holds at most
+``SENDER_MESSAGES``; past that the step thread waits for the gateway to read,
+so a gateway that reads nothing cannot make the engine's memory grow. The
+gateway reads and writes its ends on its event loop without ever blocking
+(``gateway.engine.process``).
 
 Failure: the engine process that exits or crashes closes the pipe, and the
 gateway hears ``on_fatal`` (every stream gets its error, the server exits
-non-zero); a hung iteration shows in ``busy_since_ns`` (shared memory), which
-the gateway's watchdog reads as for a thread. The engine process dies with
+non-zero); one that stops answering (stopped, hung in an iteration, a thread
+stuck) leaves a command (the watchdog's ping at least) unanswered past the
+running iteration's predicted time, which the step loop keeps in shared
+memory beside ``busy_since_ns``: the gateway's watchdog reads both. The engine process dies with
 its parent (``PR_SET_PDEATHSIG``, and the pipe's end), ignores SIGINT and
 SIGTERM (the gateway's to handle: it drains first) and is killed if it does
 not stop when asked.
@@ -34,10 +37,8 @@ import gc
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import queue
 import signal
-import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -48,11 +49,31 @@ import structlog
 
 from stallfree.core.sched.engine import Engine, StepOutput
 from stallfree.core.sched.step_loop import StepLoop
+from stallfree.core.sched.wire import (
+    Abort,
+    Command,
+    Fatal,
+    Frames,
+    Message,
+    Ping,
+    Ready,
+    Reconfigure,
+    Reply,
+    StartFailed,
+    Step,
+    Stop,
+    Submit,
+    decode,
+    portable,
+    write_frame,
+)
 
 log = structlog.get_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_HEADER = struct.Struct("!Q")
+_READ_SIZE = 1 << 20
+SENDER_MESSAGES = 4096  # messages waiting for the pipe; past it the step thread waits
+FRAME_MESSAGES = 256  # messages in one frame: the gateway unpickles a frame in one go
 
 
 @dataclass(slots=True)
@@ -65,18 +86,18 @@ class BuiltEngine:
     facts: dict[str, object] = field(default_factory=dict)
 
 
-# -- the engine's process ----------------------------------------------------------
 class _Sender:
     """Writes the engine's messages to the pipe on a thread of its own: what
-    piles up while the gateway is slow goes out in one write."""
+    piles up while the gateway is slow goes out together, ``FRAME_MESSAGES``
+    a frame; ``put`` waits while ``capacity`` messages are queued."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, capacity: int = SENDER_MESSAGES) -> None:
         self.fd = fd
-        self.box: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self.box: queue.Queue[Message | None] = queue.Queue(capacity)
         self.thread = threading.Thread(target=self._run, name="stallfree-engine-send", daemon=True)
         self.thread.start()
 
-    def put(self, message: tuple[Any, ...]) -> None:
+    def put(self, message: Message) -> None:
         self.box.put(message)
 
     def close(self) -> None:
@@ -86,51 +107,22 @@ class _Sender:
     def _run(self) -> None:
         while True:
             batch = [self.box.get()]
-            while True:
+            while len(batch) < FRAME_MESSAGES and batch[-1] is not None:
                 try:
                     batch.append(self.box.get_nowait())
                 except queue.Empty:
                     break
-            last = batch[-1] is None
             messages = [m for m in batch if m is not None]
             try:
-                data = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:  # a bug: die loudly, and the gateway fails every stream
-                log.critical("engine_message_unpicklable", exc_info=True)
-                os._exit(1)
-            try:
                 if messages:
-                    _write_frame(self.fd, data)
+                    write_frame(self.fd, messages)
             except OSError:  # the gateway is gone: so is the reason to run
                 os._exit(0)
-            if last:
+            except Exception:  # unpicklable: a bug; die loudly, and the gateway fails every stream
+                log.critical("engine_message_unpicklable", exc_info=True)
+                os._exit(1)
+            if batch[-1] is None:
                 return
-
-
-def _write_frame(fd: int, data: bytes) -> None:
-    """One message on the engine's pipe: its length, then its bytes (blocking)."""
-    view = memoryview(_HEADER.pack(len(data)) + data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-class Frames:
-    """The gateway's end of the engine's pipe, read without blocking: whole
-    messages out of whatever bytes have arrived."""
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self.buffer += data
-        frames = []
-        while len(self.buffer) >= _HEADER.size:
-            (n,) = _HEADER.unpack_from(self.buffer)
-            if len(self.buffer) < _HEADER.size + n:
-                break
-            frames.append(bytes(self.buffer[_HEADER.size : _HEADER.size + n]))
-            del self.buffer[: _HEADER.size + n]
-        return frames
 
 
 class _Forward:
@@ -140,10 +132,10 @@ class _Forward:
         self.sender = sender
 
     def on_step(self, out: StepOutput) -> None:
-        self.sender.put(("step", out))
+        self.sender.put(Step(out))
 
     def on_fatal(self, reason: str) -> None:
-        self.sender.put(("fatal", reason))
+        self.sender.put(Fatal(reason))
 
 
 def _die_with_parent() -> None:
@@ -171,58 +163,56 @@ def engine_main(
     try:
         built = factory()
     except BaseException as exc:
-        _write_frame(out_fd, pickle.dumps([("failed", f"{type(exc).__name__}: {exc}")]))
+        write_frame(out_fd, [StartFailed(f"{type(exc).__name__}: {exc}")])
         return
     loop = StepLoop(built.engine, times)
     gc.collect()
     gc.freeze()  # the model and tables out of the collector's way, as in the gateway
-    _write_frame(out_fd, pickle.dumps([("ready", loop.snapshot, built.name, built.facts)]))
+    write_frame(out_fd, [Ready(loop.snapshot, built.name, built.facts)])
     sender = _Sender(out_fd)
     loop.start(_Forward(sender))
     try:
-        while True:
-            try:
-                messages = pickle.loads(commands.recv_bytes())
-            except (EOFError, OSError):
-                break
-            if not all(_run_command(loop, sender, m) for m in messages):
-                break
+        _read_commands(commands.fileno(), loop, sender)
     finally:
         loop.stop()
         sender.close()
 
 
-def _run_command(loop: StepLoop, sender: _Sender, message: tuple[Any, ...]) -> bool:
-    """One gateway command; False: stop."""
-    kind = message[0]
-    if kind == "stop":
-        return False
-    tag = message[1]
-    if kind == "submit":
-        future: Future[Any] = loop.submit(message[2])
-    elif kind == "abort":
-        future = loop.abort(message[2])
-    elif kind == "reconfigure":
-        future = loop.reconfigure(message[2])
+def _read_commands(fd: int, loop: StepLoop, sender: _Sender) -> None:
+    """Run the gateway's commands as they come, until ``Stop`` or the pipe's end."""
+    frames = Frames()
+    while True:
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except OSError:
+            return
+        if not data:
+            return
+        for raw in frames.feed(data):
+            for command in decode(raw):
+                if isinstance(command, Stop):
+                    return
+                _run_command(loop, sender, command)
+
+
+def _run_command(loop: StepLoop, sender: _Sender, command: Command) -> None:
+    """One gateway command; its reply goes back once the step thread has run it."""
+    future: Future[Any]
+    if isinstance(command, Submit):
+        future = loop.submit(command.request)
+    elif isinstance(command, Abort):
+        future = loop.abort(command.request_id)
+    elif isinstance(command, Reconfigure):
+        future = loop.reconfigure(command.changes)
+    elif isinstance(command, Ping):
+        future = loop.ping()
     else:
-        raise ValueError(f"unknown command {kind!r}")
+        raise ValueError(f"unknown command {type(command).__name__}")
+    tag, settings = command.tag, isinstance(command, Reconfigure)
 
     def reply(f: Future[Any]) -> None:
-        exc = _portable(f.exception())
-        snapshot = loop.snapshot if kind == "reconfigure" else None
-        sender.put(("reply", tag, exc, None if exc is not None else f.result(), snapshot))
+        error = portable(f.exception())
+        result = f.result() if error is None else None
+        sender.put(Reply(tag, result, error, loop.snapshot if settings else None))
 
     future.add_done_callback(reply)
-    return True
-
-
-def _portable(exc: BaseException | None) -> BaseException | None:
-    """The exception as the gateway can unpickle it (one whose constructor
-    takes other arguments than its message cannot be: then a RuntimeError)."""
-    if exc is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc

@@ -48,17 +48,38 @@ def order_waiting(
     def then(r: Request) -> tuple[float, ...]:
         return deadline_order(r, slack) if slack is not None else (r.arrival_ns,)
 
-    if policy == Policy.SJF:
-        rest.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens, *then(r)))
-    elif policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE:
+    if policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE:
         rest.sort(key=lambda r: (-cached_prefix_tokens(r), *then(r)))
-    elif policy == Policy.PRIORITY:
-        rest.sort(key=lambda r: (r.priority, *then(r)))
-    elif policy == Policy.FAIR:
-        rest.sort(key=lambda r: (served.get(r.tenant, 0), *then(r)))
     else:
-        rest.sort(key=then)
+        rest.sort(key=lambda r: (class_rank(policy, r.priority, r.tenant, r.num_pending_tokens, served), *then(r)))
     return overdue + rest
+
+
+def class_rank(policy: Policy, priority: int, tenant: str, pending_tokens: int, served: Mapping[str, int]) -> float:
+    """A prompt's class in the policy's order, the key before its deadline
+    (lower runs first): its tokens still to prefill (``sjf``), its priority,
+    its tenant's tokens served so far (``fair``); one class for ``fcfs`` and
+    ``lpm`` (the forecast cannot know a newcomer's cache match: it counts lpm
+    as fcfs, erring long)."""
+    if policy == Policy.SJF:
+        return pending_tokens
+    if policy == Policy.PRIORITY:
+        return priority
+    if policy == Policy.FAIR:
+        return served.get(tenant, 0)
+    return 0.0
+
+
+def newcomer_place(
+    policy: Policy, priority: int, tenant: str, prompt_tokens: int, served: Mapping[str, int], due_ns: float
+) -> tuple[float, float]:
+    """Where a prompt not yet queued will stand (``core.sched.deadline.Place``):
+    under ``fair`` a tenant with nothing queued starts level with the least
+    served one (``Scheduler.add``'s lift; what it was served before is not known
+    here), with ``served`` the queued tenants' counts."""
+    if policy == Policy.FAIR and tenant not in served:
+        served = {tenant: min(served.values(), default=0)}
+    return class_rank(policy, priority, tenant, prompt_tokens, served), due_ns
 
 
 def deadline_order(r: Request, slack: Callable[[Request], float]) -> tuple[float, ...]:

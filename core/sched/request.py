@@ -190,10 +190,6 @@ class Request:
         """Tokens still to run before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids in positions [start, end) of prompt + output."""
         n = len(self.prompt_token_ids)
@@ -202,3 +198,35 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def end(self) -> RequestEnd:
+        """What the gateway needs of it once it has ended (``finish_reason`` set)."""
+        assert self.finish_reason is not None, "ended"
+        return RequestEnd(
+            self.finish_reason,
+            self.timeline,
+            self.num_output_tokens,
+            self.num_cached_tokens,
+            self.num_preemptions,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            self.ttft_slo_ms or 0.0,
+            self.tbt_slo_ms,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class RequestEnd:
+    """A request's end as the engine reports it: why it ended and what the
+    engine learnt of it on the way. The gateway has the rest (what it sent,
+    the tokens it was given), so nothing else crosses back."""
+
+    reason: FinishReason
+    timeline: Timeline
+    num_output_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at first admission
+    num_preemptions: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    ttft_slo_ms: float  # the targets the scheduler held it to (0: none)
+    tbt_slo_ms: float

@@ -53,12 +53,12 @@ from collections.abc import Callable
 from stallfree.core import faults
 from stallfree.core.sched.batch import Batch, Item, Logprobs, NewToken, Sampled
 from stallfree.core.sched.block_manager import Admitted, BlockManager
-from stallfree.core.sched.config import Chunking, SchedulerConfig, Speculate
+from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
-from stallfree.core.sched.deadline import Forecast, Pace, slack_s
+from stallfree.core.sched.deadline import OVERDUE, Forecast, Pace, Place, deadline_ns, slack_s
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.handoff import KvImport
-from stallfree.core.sched.policy import deadline_order, order_waiting
+from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from stallfree.core.sched.time_limit import TimeLimit
 from stallfree.core.sched.timings import weighted_percentile
@@ -169,14 +169,31 @@ class Scheduler:
         return sum(1 for r in self.running if r.status == RequestStatus.PREFILLING)
 
     def forecast(self, now_ns: int) -> Forecast | None:
-        """What admission reads: the prefill tokens of the queued prompts that
-        can still meet their TTFT targets, at the latest pace (None before one is known)."""
+        """What admission reads, at the latest pace (None before one is known):
+        each queued prompt's place in the order (``core.sched.deadline.Place``)
+        and the prefill it still needs. Left out: prompts that can no longer
+        meet their targets (they go after any newcomer) unless past the
+        starvation ceiling, and the other choices of a prompt still computing
+        (they take its blocks, not a prefill of their own)."""
         pace = self.pace
         if pace is None:
             return None
-        queued = [r for r in self.requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
-        backlog = sum(r.num_pending_tokens for r in queued if 0 <= slack_s(r, now_ns, pace) < math.inf)
-        return Forecast(backlog, pace, self.num_added)
+        cfg = self.config
+        overdue_before = now_ns - cfg.max_defer_s * 1e9
+        queued: list[tuple[Place, int]] = []
+        for r in self.requests.values():
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREFILLING) or self._prompt_pending(
+                r.prefill_after
+            ):
+                continue
+            if r.arrival_ns < overdue_before:
+                queued.append(((OVERDUE, r.arrival_ns), r.num_pending_tokens))
+            elif slack_s(r, now_ns, pace) >= 0:
+                due = deadline_ns(r)
+                rank = class_rank(cfg.policy, r.priority, r.tenant, r.num_pending_tokens, self.served)
+                queued.append(((rank, math.inf if due is None else due), r.num_pending_tokens))
+        served = {t: self.served.get(t, 0) for t in self._active} if cfg.policy == Policy.FAIR else {}
+        return Forecast.of(pace, self.num_added, queued, served)
 
     # -- schedule ----------------------------------------------------------
     def schedule(self, now_ns: int) -> Batch:
@@ -306,19 +323,29 @@ class Scheduler:
         those whose slack says they can still make it (``_by_deadline``), instead
         of short ones first: a short prompt goes ahead of a long one exactly
         when its deadline is the nearer. Once a waiting prompt cannot be
-        admitted (KV room, the partial-prefill limit), no later one is."""
+        admitted (KV room, the partial-prefill limit), no later one is.
+
+        The partial-prefill limit holds in the same order: only partial
+        prefills ahead of a prompt hold slots against it, so one that can still
+        meet its target is admitted beside partial prefills due later or
+        already late (they keep their KV and go on when the budget allows),
+        and another key's long prompts cannot keep it waiting for their slots."""
         shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
         admitting = True
         order = self._by_deadline(now_ns)
         runs = [(p, list(g)) for p, g in itertools.groupby(order, key=lambda r: r.status == RequestStatus.PREFILLING)]
+        ahead: list[Request] = []  # the partial prefills so far in the order, and the prompts admitted
         for partial, run in runs:
             if left == 0:
                 break
             if partial:  # in pass 2's order (``_partials``), not the run's
                 chosen = set(run)
                 left = self._prefill_running(batch, left, shared, [r for r in self._partials(now_ns) if r in chosen])
+                ahead += run
             elif admitting:
-                left = self._admit(batch, left, shared, run)
+                before = len(self.running)
+                left = self._admit(batch, left, shared, run, held=self._staying_partial(batch, ahead))
+                ahead += self.running[before:]
                 admitting = run[-1].status != RequestStatus.WAITING
         return left
 
@@ -372,14 +399,21 @@ class Scheduler:
         return left
 
     def _admit(
-        self, batch: Batch, left: int, limit: TimeLimit | None, ordered: list[Request], whole: bool = False
+        self,
+        batch: Batch,
+        left: int,
+        limit: TimeLimit | None,
+        ordered: list[Request],
+        whole: bool = False,
+        held: int | None = None,
     ) -> int:
-        """Pass 3: admit from ``ordered`` (waiting requests in policy order)."""
+        """Pass 3: admit from ``ordered`` (waiting requests in policy order);
+        ``held``: the partial-prefill slots held against them (default: every
+        partial prefill that goes on after this batch)."""
         cfg = self.config
         if not ordered or left == 0:
             return left
-        finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
-        partial = sum(1 for r in self.running if r.status == RequestStatus.PREFILLING and r not in finishing)
+        partial = held if held is not None else self._staying_partial(batch, self.running)
         admitted = []
         for req in ordered:
             if left == 0 or len(self.running) >= cfg.max_num_seqs:
@@ -416,6 +450,12 @@ class Scheduler:
             taken = set(admitted)
             self.waiting = [r for r in self.waiting if r not in taken]
         return left
+
+    @staticmethod
+    def _staying_partial(batch: Batch, requests: list[Request]) -> int:
+        """How many of ``requests`` are partial prefills that this batch does not finish."""
+        finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
+        return sum(1 for r in requests if r.status == RequestStatus.PREFILLING and r not in finishing)
 
     def _footprint(self, req: Request) -> int:
         """Tokens of KV to guarantee req at admission: what it holds plus its decode reserve."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from stallfree.core.sched.engine import Engine, EngineSnapshot, StepOutput, check_request
+from stallfree.core.sched.engine import Engine, EngineSnapshot, StepOutput
 from stallfree.core.sched.request import Request
 
 log = structlog.get_logger(__name__)
@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 # When requests exist but none can be scheduled, wait this long for a command.
 _UNSCHEDULABLE_WAIT_S = 0.002
+TIMES = 3  # busy_since_ns, last_step_ns, the running iteration's predicted ns
 
 
 class EngineStopped(RuntimeError):
@@ -52,17 +53,19 @@ class StepListener(Protocol):
 
 class StepLoop:
     def __init__(self, engine: Engine, times: MutableSequence[int] | None = None) -> None:
-        """``times``: where busy_since_ns and last_step_ns are kept (shared
-        memory, when another process watches this loop)."""
+        """``times``: where busy_since_ns, last_step_ns and the running
+        iteration's predicted ns are kept (``TIMES`` of them: shared memory,
+        when another process watches this loop)."""
         self.engine = engine
         self.snapshot: EngineSnapshot = engine.snapshot()  # replaced whole, never changed: safe to read anywhere
         self.listener: StepListener | None = None  # given at start
         self.iterations = 0
-        self._times = times if times is not None else [0, 0]
+        self._times = times if times is not None else [0] * TIMES
+        engine.scheduled = self._scheduled
         self.fatal: str | None = None
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders call() against _die(): no future is left pending
-        self._pending: set[Future[Any]] = set()
+        self._pending: dict[Future[Any], int] = {}  # commands not yet run -> when they were given
         self._running = False
         self._thread = threading.Thread(target=self._run, name="stallfree-step", daemon=True)
 
@@ -81,6 +84,17 @@ class StepLoop:
     def last_step_ns(self) -> int:
         """perf_counter_ns when the last iteration ended."""
         return self._times[1]
+
+    @property
+    def busy_predicted_s(self) -> float:
+        """The running iteration's predicted time (0: none runs, or nothing predicts it)."""
+        return self._times[2] / 1e9 if self._times[0] else 0.0
+
+    @property
+    def owed_since_ns(self) -> int:
+        """When the oldest command not yet run was given (0: none waits)."""
+        with self._lock:
+            return next(iter(self._pending.values()), 0)
 
     def replica_counts(self) -> None:
         """One engine, in this process."""
@@ -103,7 +117,7 @@ class StepLoop:
 
         def command() -> None:
             with self._lock:
-                self._pending.discard(future)
+                self._pending.pop(future, None)
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
@@ -114,15 +128,17 @@ class StepLoop:
             if self.fatal is not None:
                 future.set_exception(EngineStopped(self.fatal))
                 return future
-            self._pending.add(future)
+            self._pending[future] = time.perf_counter_ns()
         self._inbox.put(command)
         return future
 
     def submit(self, req: Request) -> Future[None]:
-        """Queue req. What can never run is refused here, in the caller's thread."""
-        s = self.snapshot
-        check_request(req.num_prompt_tokens, req.sampling, s.config.max_model_len, s.vocab_size)
+        """Queue req (checked by its caller: ``core.sched.engine.check_request``)."""
         return self.call(lambda: self.engine.add_request(req))
+
+    def ping(self) -> Future[None]:
+        """Answered between two iterations: the step thread still moves."""
+        return self.call(lambda: None)
 
     def abort(self, request_id: str) -> Future[bool]:
         return self.call(lambda: self.engine.abort_request(request_id))
@@ -162,6 +178,7 @@ class StepLoop:
                 self._run_commands(_UNSCHEDULABLE_WAIT_S if unschedulable else 0)
             if not self._running:
                 break
+            self._times[2] = 0  # until the engine has scheduled the batch
             self._times[0] = time.perf_counter_ns()
             out = self.engine.step()
             self._times[0] = 0
@@ -175,6 +192,9 @@ class StepLoop:
                 return
             unschedulable = out is None
 
+    def _scheduled(self, predicted_s: float) -> None:
+        self._times[2] = int(predicted_s * 1e9)
+
     def _publish(self, out: StepOutput) -> None:
         try:
             assert self.listener is not None
@@ -185,7 +205,7 @@ class StepLoop:
     def _die(self, reason: str, exc: BaseException | None = None) -> None:
         with self._lock:
             self.fatal = reason
-            pending, self._pending = self._pending, set()
+            pending, self._pending = list(self._pending), {}
         for future in pending:  # commands that will never run
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineStopped(reason))

@@ -8,6 +8,8 @@ from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 
+from stallfree.gateway.edge.grants import ADMIN_PREFIX
+
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen addresses that name no host
 
@@ -24,21 +26,23 @@ def request_key(headers: Headers) -> str | None:
     return api[0] if api else None
 
 
-def tenant_of(given: object, keys: tuple[str, ...]) -> str | None:
-    """Which configured key this is, as ``key-<n>`` (never the key itself, so
-    it can be logged and used for fair sharing), or None. Compares against
-    every key, in constant time for each."""
+def tenant_of(given: object, keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()) -> str | None:
+    """Which configured key this is, as ``key-<n>`` (the n-th API key) or
+    ``admin-<n>`` (the n-th operator key): never the key itself, so it can be
+    logged and used for fair sharing; None for no configured key. Compares
+    against every key, in constant time for each."""
     if not isinstance(given, str):
         return None
     found = None
-    for n, key in enumerate(keys, 1):
-        if hmac.compare_digest(given.encode(), key.encode()):
-            found = f"key-{n}"
+    for prefix, listed in (("key-", keys), (ADMIN_PREFIX, admin_keys)):
+        for n, key in enumerate(listed, 1):
+            if hmac.compare_digest(given.encode(), key.encode()):
+                found = f"{prefix}{n}"
     return found
 
 
-def key_matches(given: object, keys: tuple[str, ...]) -> bool:
-    return tenant_of(given, keys) is not None
+def key_matches(given: object, keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()) -> bool:
+    return tenant_of(given, keys, admin_keys) is not None
 
 
 def origin_allowed(origin: str | None, allowed: tuple[str, ...], host_names: tuple[str, ...] = ()) -> bool:

@@ -28,7 +28,7 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
     await ws.accept()
     if not s.api_keys:
         return ""
-    if (tenant := tenant_of(request_key(ws.headers), s.api_keys)) is not None:
+    if (tenant := tenant_of(request_key(ws.headers), s.api_keys, s.admin_keys)) is not None:
         _authenticated(ws)
         return tenant
     message: Mapping[str, Any] | None = None
@@ -38,7 +38,7 @@ async def accept(ws: WebSocket, client: EngineClient) -> str | None:
         why = f"no API key within {s.auth_timeout_s:g} s"
     elif message["type"] == "websocket.disconnect":
         return None
-    elif (tenant := tenant_of(_auth_key(message), s.api_keys)) is not None:
+    elif (tenant := tenant_of(_auth_key(message), s.api_keys, s.admin_keys)) is not None:
         _authenticated(ws)
         await _send(ws, '{"type":"authenticated"}')  # a client already gone shows up as a disconnect
         return tenant

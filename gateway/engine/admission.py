@@ -11,9 +11,11 @@ reserved in the bucket (concurrent prompts cannot overdraw it). ``/tokenize``
 and ``/detokenize`` take the same waiting room and threads.
 
 Under a TTFT target, ``predict`` then reads the engine's latest queue
-forecast (``core.sched.deadline``) plus the prompts sent since it was taken:
-a prompt that only the queue ahead makes late is refused with
-``shed_load`` (the caller's 429), else admitted best-effort and told so.
+forecast (``core.sched.deadline``) plus the prompts sent since it was taken,
+counting only those that will run ahead of the newcomer: a prompt that only
+the queue ahead makes late is refused with ``shed_load`` (the caller's 429),
+else admitted best-effort and told so. The choices of one prompt (``n``)
+count as one prefill: they share it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TypeVar
 
 import anyio
 
-from stallfree.core.sched.deadline import Forecast, Verdict, verdict
+from stallfree.core.sched.deadline import Forecast, Place, Verdict, verdict
 from stallfree.gateway.edge.ratelimit import TokenRateLimit
 from stallfree.gateway.inputs.protocol import ProtocolError
 from stallfree.gateway.settings import GatewaySettings
@@ -41,23 +43,27 @@ class Admission:
         self._tokenizing = 0  # admitted, still being tokenized
         self._waiting: Counter[str] = Counter()  # per tenant: tokenizing or unstarted
         self._threads = anyio.CapacityLimiter(settings.tokenizer_threads)
-        self._num_sent = 0  # requests handed to the engine
-        # (its number, prompt tokens) not yet in a forecast: at most the waiting room's
-        self._unseen: deque[tuple[int, int]] = deque(maxlen=settings.max_waiting)
+        self._num_sent = 0  # engine requests handed over (each choice of a prompt is one)
+        # prompts not yet in a forecast: (the engine requests handed over up to its last
+        # choice, its place, its prompt tokens); one per prompt, so at most the waiting room's
+        self._unseen: deque[tuple[int, Place, int]] = deque(maxlen=settings.max_waiting)
 
-    def sent(self, prompt_tokens: int) -> None:
-        """A request handed to the engine: ahead of later ones until a forecast counts it."""
-        self._num_sent += 1
-        self._unseen.append((self._num_sent, prompt_tokens))
+    def sent(self, choices: int, place: Place, prompt_tokens: int) -> None:
+        """A prompt's ``choices`` handed to the engine: it runs ahead of later
+        newcomers placed behind it until a forecast counts it."""
+        self._num_sent += choices
+        self._unseen.append((self._num_sent, place, prompt_tokens))
 
-    def predict(self, forecast: Forecast | None, prompt_tokens: int, target_ms: float) -> Verdict | None:
-        """When a prompt sent now is predicted its first token (None: no TTFT
-        target, or no forecast yet: the engine has not run a prompt with one)."""
+    def predict(self, forecast: Forecast | None, prompt_tokens: int, target_ms: float, place: Place) -> Verdict | None:
+        """When a prompt sent now at ``place`` is predicted its first token
+        (None: no TTFT target, or no forecast yet: the engine has not run a
+        prompt with one)."""
         while self._unseen and forecast is not None and self._unseen[0][0] <= forecast.seen:
             self._unseen.popleft()
         if not target_ms or forecast is None:
             return None
-        return verdict(forecast, prompt_tokens, target_ms, sum(tokens for _, tokens in self._unseen))
+        unseen = sum(tokens for _, ahead, tokens in self._unseen if ahead <= place)
+        return verdict(forecast, prompt_tokens, target_ms, place, unseen)
 
     def check_rate(self, tenant: str) -> None:
         """Refuse a key whose bucket is empty, before any work."""

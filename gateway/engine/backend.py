@@ -19,6 +19,11 @@ from stallfree.core.sched.request import Request
 from stallfree.core.sched.step_loop import StepListener
 
 
+class EngineBusy(RuntimeError):
+    """A backend cannot take a command now (its engine has not read those it
+    was sent): refused at once rather than waited for."""
+
+
 class EngineListener(StepListener, Protocol):
     """What an ``EngineBackend`` reports to (the ``EngineClient``): a
     ``StepListener``'s ``on_step`` (an iteration's outputs, or requests that
@@ -40,12 +45,14 @@ class EngineBackend(Protocol):
     def alive(self) -> bool: ...
 
     @property
-    def last_step_ns(self) -> int:
-        """perf_counter_ns of the last iteration (or output) seen."""
+    def owed_since_ns(self) -> int:
+        """perf_counter_ns when the oldest command the engine has not answered was
+        given (0: none; the watchdog's view, with ``busy_predicted_s``)."""
 
     @property
-    def busy_since_ns(self) -> int:
-        """When the running iteration began; 0 between iterations (the watchdog's view)."""
+    def busy_predicted_s(self) -> float:
+        """The predicted time of the iteration the engine is running (0: none, or
+        nothing predicts it): how long the engine may keep a command waiting."""
 
     def replica_counts(self) -> tuple[int, int] | None:
         """(ready, configured) replicas; None for one engine in this process."""
@@ -55,8 +62,13 @@ class EngineBackend(Protocol):
 
     def stop(self, timeout: float = 10.0) -> None: ...
 
-    def submit(self, req: Request) -> Future[None]: ...
+    def submit(self, req: Request) -> Future[None]:
+        """Queue req, checked by the caller; may raise ``EngineBusy``."""
 
     def abort(self, request_id: str) -> Future[bool]: ...
 
-    def reconfigure(self, changes: dict[str, Any]) -> Future[list[str]]: ...
+    def reconfigure(self, changes: dict[str, Any]) -> Future[list[str]]:
+        """Change live settings; may raise ``EngineBusy``."""
+
+    def ping(self) -> Future[None]:
+        """A command that does nothing: its answer shows the engine still answers."""

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from stallfree.core.model.detokenizer import Detokenizer
 from stallfree.core.sched.batch import Logprobs
-from stallfree.core.sched.request import FinishReason, Request
-from stallfree.gateway.engine.streams import Delta, RequestStream
+from stallfree.core.sched.request import FinishReason, RequestEnd
+from stallfree.gateway.engine.streams import Delta, Notice, RequestStream
 from stallfree.gateway.inputs.protocol import ProtocolError
 
 # The one mapping from the engine's finish reasons to what clients of both
@@ -32,7 +32,7 @@ class Piece:
     token_ids: list[int]
     emit_ns: int
     finish_reason: str | None = None  # stop | length | cancelled, on the last piece
-    request: Request | None = None  # on the last piece
+    end: RequestEnd | None = None  # on the last piece
     logprobs: list[Logprobs] | None = None  # one per token of token_ids, when the request asked
 
 
@@ -58,16 +58,20 @@ class PieceMaker:
         if delta.finish_reason is not None:
             text += self._detok.flush()
             reason = WIRE_FINISH[FinishReason.STOP if self._stopped else delta.finish_reason]
-            return Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.request, logprobs)
+            return Piece(delta.first_index, text, ids, delta.emit_ns, reason, delta.end, logprobs)
         if ids or text:
             return Piece(delta.first_index, text, ids, delta.emit_ns, logprobs=logprobs)
         return None
 
 
-def ready_pieces(stream: RequestStream, maker: PieceMaker) -> Iterator[Piece | ProtocolError]:
-    """What the stream holds now, as pieces, for either protocol's writer; the
-    last one yielded is the final piece (a finish reason) or the ProtocolError
-    that ended the generation (a slow consumer, an engine error)."""
+def ready_pieces(stream: RequestStream, maker: PieceMaker) -> Iterator[Piece | Notice | ProtocolError]:
+    """What the stream holds now, for either protocol's writer: word of the
+    engine first (a ``Notice``), then its tokens as pieces. The last one
+    yielded is the final piece (a finish reason) or the ProtocolError that
+    ended the generation (a slow consumer, an engine error)."""
+    notice = stream.take_notice()
+    if notice is not None:
+        yield notice
     while (delta := stream.get_nowait()) is not None:
         try:
             piece = maker.feed(delta)

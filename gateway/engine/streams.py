@@ -1,6 +1,6 @@
 """Per-request output streams on the event loop.
 
-Each request has a bounded queue of deltas. The step thread's once-per-iteration
+Each request has a bounded queue of deltas. The event loop's once-per-iteration
 fan-out puts one ``Delta`` per request per iteration and calls ``on_put``,
 which wakes the request's consumer (one task per connection drains many
 streams). When the consumer has fallen behind and the queue is full, new
@@ -10,6 +10,9 @@ a consumer whose pending tokens stay unread for ``slow_consumer_s`` is cut off.
 A plain deque, not an anyio memory stream: put and get are the fan-out's
 per-token cost (a memory stream's send was 1.8 us of it, a deque's append
 0.1), and there are no channel ends to close however a request ends.
+
+Beside its tokens a stream carries word of the engine itself (a ``Notice``):
+that it has stopped answering, and that it answers again.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 from stallfree.core.sched.batch import Logprobs
 from stallfree.core.sched.deadline import Verdict
-from stallfree.core.sched.request import FinishReason, Request
+from stallfree.core.sched.request import FinishReason, RequestEnd
 
 
 @dataclass(slots=True)
@@ -30,13 +33,23 @@ class Delta:
     first_index: int  # index of token_ids[0] in the completion
     emit_ns: int  # engine time (perf_counter_ns) the last of these tokens was produced
     finish_reason: FinishReason | None = None
-    request: Request | None = None  # on finish: the request's timeline and usage
+    end: RequestEnd | None = None  # on finish: the request's timeline and usage
     logprobs: list[Logprobs] | None = None  # one per token, when the request asked
+
+
+@dataclass(slots=True, frozen=True)
+class Notice:
+    """Word of the engine, for every open stream: ``stalled`` (it has answered
+    nothing for ``silent_ms``) or ``resumed`` (it answers again, after ``silent_ms``)."""
+
+    kind: str
+    silent_ms: int
 
 
 class RequestStream:
     def __init__(self, request_id: str, capacity: int, slow_consumer_s: float) -> None:
         self.request_id = request_id
+        self.notice: Notice | None = None  # the latest word of the engine, not yet taken
         self.verdict: Verdict | None = None  # admission's prediction of its first token, under a TTFT target
         # up to ``capacity`` deltas, then one more that coalesces the overflow (the pending one)
         self._deltas: deque[Delta] = deque()
@@ -54,13 +67,13 @@ class RequestStream:
         token_ids: list[int],
         emit_ns: int,
         finish_reason: FinishReason | None,
-        request: Request | None,
+        end: RequestEnd | None,
         logprobs: list[Logprobs] | None = None,
     ) -> bool:
         """Called on the event loop; never blocks. False: the consumer is hopelessly behind."""
         if self.finished:
             return True  # includes a consumer that has gone (close())
-        ok = self._enqueue(Delta(token_ids, self.num_tokens, emit_ns, finish_reason, request, logprobs))
+        ok = self._enqueue(Delta(token_ids, self.num_tokens, emit_ns, finish_reason, end, logprobs))
         if self.on_put is not None:
             self.on_put()
         return ok
@@ -81,7 +94,7 @@ class RequestStream:
         p.token_ids = p.token_ids + delta.token_ids
         if delta.logprobs is not None:
             p.logprobs = (p.logprobs or []) + delta.logprobs
-        p.emit_ns, p.finish_reason, p.request = delta.emit_ns, delta.finish_reason, delta.request
+        p.emit_ns, p.finish_reason, p.end = delta.emit_ns, delta.finish_reason, delta.end
         return self.finished or now - self._pending_since < self._slow_ns
 
     def fail(self, reason: FinishReason) -> None:
@@ -94,6 +107,20 @@ class RequestStream:
         self._deltas.append(Delta([], self.num_tokens, time.perf_counter_ns(), reason))
         if self.on_put is not None:
             self.on_put()
+
+    def tell(self, notice: Notice) -> None:
+        """Word of the engine for the consumer. A stall and its end, neither yet
+        taken, cancel out: the consumer is told nothing it no longer needs."""
+        if self.finished:
+            return
+        pending = self.notice
+        self.notice = None if pending is not None and pending.kind != notice.kind else notice
+        if self.on_put is not None:
+            self.on_put()
+
+    def take_notice(self) -> Notice | None:
+        notice, self.notice = self.notice, None
+        return notice
 
     def get_nowait(self) -> Delta | None:
         """The next delta, or None if there is none yet (or the final one has been taken)."""

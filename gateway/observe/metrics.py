@@ -25,7 +25,7 @@ from stallfree.core.cluster.stats import ReplicaStats
 from stallfree.core.sched.batch import IterationRecord
 from stallfree.core.sched.config import CHUNKING_MODES
 from stallfree.core.sched.engine import Counts
-from stallfree.core.sched.request import FinishReason, Request
+from stallfree.core.sched.request import FinishReason, Request, RequestEnd
 from stallfree.core.sched.timings import request_timings
 from stallfree.gateway.observe.observers import Emitted, Observer, goodness
 
@@ -224,24 +224,25 @@ class Metrics(Observer):
         self.replicas_reporting.set(len(stats))
 
     def on_tokens(self, emitted: list[Emitted]) -> None:
-        self.generation_tokens.inc(sum(e.num_tokens for e in emitted))
+        self.generation_tokens.inc(sum(len(e.token_ids) for e in emitted))
         for e in emitted:
             if e.gap_ns is not None:
                 self.itl.observe(e.gap_ns / 1e9)
-                for _ in range(e.num_tokens - 1):  # tokens of one iteration arrive together; the first carries the gap
+                # tokens of one iteration arrive together; the first carries the gap
+                for _ in range(len(e.token_ids) - 1):
                     self.itl.observe(0.0)
 
-    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
-        tl = req.timeline
+    def on_finish(self, req: Request, end: RequestEnd) -> None:
+        tl = end.timeline
         timings = request_timings(tl)
-        judged = goodness(req, finish_reason, timings)
-        self.finished.labels(finish_reason).inc()
+        judged = goodness(end, timings)
+        self.finished.labels(end.reason).inc()
         self.good.inc(judged.good)
         self.target_met.labels("ttft").inc(judged.ttft_met)
         self.target_met.labels("tbt").inc(judged.tbt_met)
         self.prompt_tokens.inc(req.num_prompt_tokens)
-        self.prefix_hit_tokens.inc(req.num_cached_tokens)
-        if finish_reason == FinishReason.ABORT:
+        self.prefix_hit_tokens.inc(end.num_cached_tokens)
+        if end.reason == FinishReason.ABORT:
             self.aborts.inc()
         if tl.finished_ns is None:
             return

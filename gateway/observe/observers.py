@@ -17,7 +17,7 @@ from stallfree.core.cluster.stats import ReplicaStats
 from stallfree.core.model.tokenizer import Tokenizer
 from stallfree.core.sched.batch import IterationRecord
 from stallfree.core.sched.engine import Counts
-from stallfree.core.sched.request import FinishReason, Request
+from stallfree.core.sched.request import FinishReason, Request, RequestEnd
 from stallfree.core.sched.timings import Goodness, RequestTimings, judge, request_timings
 
 log = structlog.get_logger(__name__)
@@ -27,7 +27,7 @@ class Emitted(NamedTuple):
     """One request's tokens of one iteration."""
 
     request_id: str
-    num_tokens: int
+    token_ids: list[int]
     emit_ns: int  # engine time the tokens were produced
     gap_ns: int | None  # since the request's previous tokens (None for its first)
     stalled: bool  # another request's prefill ran in that gap
@@ -50,8 +50,9 @@ class Observer:
         one call per request per observer a fifth of the fan-out), before any of
         those requests' ``on_finish``."""
 
-    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
-        """The request ended; its timeline has the engine's timestamps."""
+    def on_finish(self, req: Request, end: RequestEnd) -> None:
+        """The request ended: ``req`` as the gateway sent it, ``end`` as the engine
+        reports it (why, and the timeline with the engine's timestamps)."""
 
     def on_replicas(self, stats: list[ReplicaStats]) -> None:
         """Each engine replica's latest report (scale-out only), a few times a second."""
@@ -66,11 +67,11 @@ class Observer:
 COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 
 
-def goodness(req: Request, finish_reason: FinishReason, timings: RequestTimings) -> Goodness:
+def goodness(end: RequestEnd, timings: RequestTimings) -> Goodness:
     """A finished request against the targets the scheduler gave it: the one
     judgment behind metrics, spans, the log and the dashboard (a request that
     never reached the scheduler had none)."""
-    return judge(timings, req.ttft_slo_ms or 0.0, req.tbt_slo_ms, finish_reason in COMPLETED)
+    return judge(timings, end.ttft_slo_ms, end.tbt_slo_ms, end.reason in COMPLETED)
 
 
 class RequestLog(Observer):
@@ -80,28 +81,34 @@ class RequestLog(Observer):
     def __init__(self, tokenizer: Tokenizer, log_text: bool = False) -> None:
         self.tokenizer = tokenizer
         self.log_text = log_text
+        self._outputs: dict[str, list[int]] = {}  # with log_text: each request's tokens so far
 
-    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
-        timings = request_timings(req.timeline)
-        judged = goodness(req, finish_reason, timings)
+    def on_tokens(self, emitted: list[Emitted]) -> None:
+        if self.log_text:
+            for e in emitted:
+                self._outputs.setdefault(e.request_id, []).extend(e.token_ids)
+
+    def on_finish(self, req: Request, end: RequestEnd) -> None:
+        timings = request_timings(end.timeline)
+        judged = goodness(end, timings)
         fields: dict[str, Any] = {
             "request_id": req.request_id,
             "tenant": req.tenant,
-            "finish_reason": finish_reason,
+            "finish_reason": end.reason,
             "prompt_tokens": req.num_prompt_tokens,
-            "completion_tokens": req.num_output_tokens,
-            "cached_tokens": req.num_cached_tokens,
-            "preemptions": req.num_preemptions,
+            "completion_tokens": end.num_output_tokens,
+            "cached_tokens": end.num_cached_tokens,
+            "preemptions": end.num_preemptions,
             **timings.as_dict(),
-            "ttft_slo_ms": req.ttft_slo_ms or 0.0,
-            "tbt_slo_ms": req.tbt_slo_ms,
+            "ttft_slo_ms": end.ttft_slo_ms,
+            "tbt_slo_ms": end.tbt_slo_ms,
             "good": judged.good,
             "ttft_met": judged.ttft_met,
             "tbt_met": judged.tbt_met,
         }
         if self.log_text:
             fields["prompt"] = self.tokenizer.decode(req.prompt_token_ids)
-            fields["completion"] = self.tokenizer.decode(req.output_token_ids)
+            fields["completion"] = self.tokenizer.decode(self._outputs.pop(req.request_id, []))
         log.info("request_finished", **fields)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from stallfree.core.cluster.stats import ReplicaStats
 from stallfree.core.sched.batch import IterationRecord
-from stallfree.core.sched.request import FinishReason, Request
+from stallfree.core.sched.request import Request, RequestEnd
 from stallfree.core.sched.timings import Goodness, percentile, request_timings
 from stallfree.gateway.observe.observers import Emitted, Observer, goodness
 
@@ -83,10 +83,10 @@ class Telemetry(Observer):
             if slot is not None and len(self._gaps) < MAX_PENDING:
                 self._gaps.append([slot, self._ms(emit_ns), round(gap_ms, 2), int(stalled)])
 
-    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
+    def on_finish(self, req: Request, end: RequestEnd) -> None:
         self._slots.pop(req.request_id, None)
-        tl = req.timeline
-        judged = goodness(req, finish_reason, request_timings(tl))
+        tl = end.timeline
+        judged = goodness(end, request_timings(tl))
         self._judged.append(judged)
         self._total["requests"] += 1
         self._total["good"] += judged.good

@@ -29,7 +29,7 @@ from opentelemetry.trace import Link, Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from stallfree.core.sched.batch import IterationRecord
-from stallfree.core.sched.request import FinishReason, Request
+from stallfree.core.sched.request import Request, RequestEnd
 from stallfree.core.sched.timings import request_timings
 from stallfree.gateway.observe.observers import Observer, goodness
 
@@ -106,13 +106,13 @@ class Tracing(Observer):
         TraceContextTextMapPropagator().inject(carrier, trace.set_span_in_context(root))
         return carrier.get("traceparent")
 
-    def on_finish(self, req: Request, finish_reason: FinishReason) -> None:
+    def on_finish(self, req: Request, ended: RequestEnd) -> None:
         root = self._roots.pop(req.request_id, None)
         if root is None:
             return
-        tl = req.timeline
+        tl = ended.timeline
         t = request_timings(tl)
-        judged = goodness(req, finish_reason, t)
+        judged = goodness(ended, t)
         end = tl.finished_ns if tl.finished_ns is not None else time.perf_counter_ns()
         scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else end
         parent = trace.set_span_in_context(root)
@@ -137,26 +137,26 @@ class Tracing(Observer):
                 decode = self.tracer.start_span("decode", parent, start_time=self._wall(first))
                 decode.set_attributes(
                     {
-                        "gen_ai.usage.output_tokens": req.num_output_tokens,
+                        "gen_ai.usage.output_tokens": ended.num_output_tokens,
                         "stallfree.itl_p50_ms": t.itl_p50_ms,
                         "stallfree.itl_p99_ms": t.itl_p99_ms,
                         "stallfree.max_gap_ms": t.max_gap_ms,
                         "stallfree.stalled_gaps": t.stalled_gaps,
-                        "stallfree.draft_tokens": req.num_draft_tokens,
-                        "stallfree.accepted_draft_tokens": req.num_accepted_tokens,
+                        "stallfree.draft_tokens": ended.num_draft_tokens,
+                        "stallfree.accepted_draft_tokens": ended.num_accepted_tokens,
                     }
                 )
                 decode.end(self._wall(end))
         root.set_attributes(
             {
                 "gen_ai.usage.input_tokens": req.num_prompt_tokens,
-                "gen_ai.usage.output_tokens": req.num_output_tokens,
-                "gen_ai.response.finish_reasons": [finish_reason],
-                "stallfree.cached_tokens": req.num_cached_tokens,
-                "stallfree.preemptions": req.num_preemptions,
+                "gen_ai.usage.output_tokens": ended.num_output_tokens,
+                "gen_ai.response.finish_reasons": [ended.reason],
+                "stallfree.cached_tokens": ended.num_cached_tokens,
+                "stallfree.preemptions": ended.num_preemptions,
                 "stallfree.max_gap_ms": t.max_gap_ms,
-                "stallfree.ttft_slo_ms": req.ttft_slo_ms or 0.0,
-                "stallfree.tbt_slo_ms": req.tbt_slo_ms,
+                "stallfree.ttft_slo_ms": ended.ttft_slo_ms,
+                "stallfree.tbt_slo_ms": ended.tbt_slo_ms,
                 "stallfree.ttft_target_met": judged.ttft_met,
                 "stallfree.tbt_target_met": judged.tbt_met,
                 "stallfree.good": judged.good,

@@ -25,7 +25,7 @@ from stallfree.core.sched.deadline import Verdict
 from stallfree.gateway.edge.auth import request_key, tenant_of
 from stallfree.gateway.engine.client import EngineClient
 from stallfree.gateway.engine.pieces import Piece, PieceMaker, ready_pieces
-from stallfree.gateway.engine.streams import RequestStream
+from stallfree.gateway.engine.streams import Notice, RequestStream
 from stallfree.gateway.inputs.protocol import (
     HTTP_STATUS,
     GenerateRequest,
@@ -126,7 +126,8 @@ async def handle(
         gen = await parse_off_loop(parse, body, client)
         if gen.traceparent is None:
             gen.traceparent = request.headers.get("traceparent")
-        gen.tenant = tenant_of(request_key(request.headers), client.settings.api_keys) or ""
+        s = client.settings
+        gen.tenant = tenant_of(request_key(request.headers), s.api_keys, s.admin_keys) or ""
         request_id = client.new_id(prefix)
         n = integer(body, "n", 1, 1, MAX_CHOICES) or 1
         if n > 1 and gen.tools is not None:
@@ -176,7 +177,13 @@ async def _events(
         for reply in replies:
             for chunk in reply.opening():
                 yield _event(chunk)
+        told: str | None = None  # the engine's latest word, said once for all the choices
         async for i, item in _choice_pieces(streams, makers):
+            if isinstance(item, Notice):
+                if item.kind != told:  # a comment: SSE clients skip it, a person reading the stream sees it
+                    yield f": engine {item.kind} ({item.silent_ms} ms without an answer)\n\n".encode()
+                told = item.kind
+                continue
             if isinstance(item, ProtocolError):
                 client.report_error(item.code)
                 yield _event(error_body(item.code, item.message))
@@ -207,6 +214,8 @@ async def _whole(
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
             async for i, item in _choice_pieces(streams, makers):
+                if isinstance(item, Notice):  # nothing to tell a client waiting for one reply
+                    continue
                 if isinstance(item, ProtocolError):
                     failure = item
                     break
@@ -238,7 +247,7 @@ async def _watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
 
 async def _choice_pieces(
     streams: list[RequestStream], makers: list[PieceMaker]
-) -> AsyncIterator[tuple[int, Piece | ProtocolError]]:
+) -> AsyncIterator[tuple[int, Piece | Notice | ProtocolError]]:
     """The choices' pieces as they come, interleaved, until every choice has ended:
     one task drains all the streams, woken by any of them."""
     wake = [anyio.Event()]
@@ -250,7 +259,8 @@ async def _choice_pieces(
             if ended[i]:
                 continue
             for item in ready_pieces(stream, maker):
-                ended[i] = isinstance(item, ProtocolError) or item.finish_reason is not None
+                last = isinstance(item, Piece) and item.finish_reason is not None
+                ended[i] = last or isinstance(item, ProtocolError)
                 yield i, item
         if not all(ended):
             await wake[0].wait()

@@ -37,10 +37,10 @@ class Reply:
 
     def count(self, piece: Piece) -> None:
         self.completion_tokens += len(piece.token_ids)
-        if piece.request is not None:
-            self.cached_tokens = piece.request.num_cached_tokens
-            self.draft_tokens = piece.request.num_draft_tokens
-            self.accepted_tokens = piece.request.num_accepted_tokens
+        if piece.end is not None:
+            self.cached_tokens = piece.end.num_cached_tokens
+            self.draft_tokens = piece.end.num_draft_tokens
+            self.accepted_tokens = piece.end.num_accepted_tokens
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage; draft tokens as its predicted outputs' (vLLM reports them

@@ -39,7 +39,7 @@ async def tokenize(request: Request) -> Response:
             return tok.encode(tok.render_chat(chat) if chat is not None else prompt or "")
 
         ids = await client.admission.tokenize(
-            encode, tenant_of(request_key(request.headers), client.settings.api_keys) or ""
+            encode, tenant_of(request_key(request.headers), client.settings.api_keys, client.settings.admin_keys) or ""
         )
     except ProtocolError as exc:
         return error_response(exc.code, exc.message, param=exc.param)
