@@ -56,27 +56,36 @@ def newcomer(e, now_ms: float, prompt: int, target_ms: float):
     return verdict(forecast, prompt, target_ms, place)
 
 
-def test_another_keys_far_deadlines_never_make_a_prompt_late():
-    """Key a keeps 20 prompts of 4,000 tokens queued with 10-minute targets; key
-    b's 300-token prompt is due in 2 s: it is on time, and it gets there."""
+def far_deadline_flood():
+    """Key a keeps 20 prompts of 4,000 tokens queued with 10-minute targets; after
+    five iterations its prompts hold both partial-prefill slots. Returns the engine
+    and the time (ms)."""
     e = engine(ttft_slo_ms=2000.0, token_budget=256)
     flood(e, 20, 4000, 600_000.0)
-    for t in range(5):  # a's prompts hold both partial-prefill slots by now
+    for t in range(5):
         e.clock.now_ns = int(t * ITERATION_MS * MS)
         step(e)
-    now = 5 * ITERATION_MS
-    v = newcomer(e, now, 300, 2000.0)
-    assert v.on_time and not v.refusable, v
+    return e, 5 * ITERATION_MS
+
+
+def test_another_keys_far_deadlines_are_not_counted_ahead_of_a_nearer_one():
+    e, now = far_deadline_flood()
+    v = newcomer(e, now, 300, 2000.0)  # key b's, due in 2 s
+    assert v.on_time and not v.refusable and v.predicted_s < 0.5, v
+    assert newcomer(e, now, 300, 700_000.0).predicted_s > 5  # due after all of a's: behind them
+
+
+def test_another_keys_far_deadlines_never_keep_a_prompt_waiting():
+    e, now = far_deadline_flood()
     b = request("b", 300, max_tokens=2, arrival_ns=int(now * MS))
     b.tenant = "b"
     e.add_request(b)
     assert run_until_first_token(e, "b", now) <= 2000.0
 
 
-def test_late_partial_prefills_hold_no_slot_against_a_prompt_that_can_make_it():
+def late_flood():
     """Key a's four 8,000-token prompts share the server's 2 s target and are late
-    by 2.1 s, one of them holding the one partial-prefill slot half done; key b's
-    300-token prompt still makes it."""
+    by 2.1 s, one of them holding the one partial-prefill slot half done."""
     e = engine(ttft_slo_ms=2000.0, token_budget=256, max_partial_prefills=1)
     flood(e, 4, 8000, None)
     now = 0.0
@@ -85,7 +94,16 @@ def test_late_partial_prefills_hold_no_slot_against_a_prompt_that_can_make_it():
         step(e)
         now += ITERATION_MS
     assert e.scheduler.num_partial_prefills == 1
-    assert newcomer(e, now, 300, 2000.0).on_time
+    return e, now
+
+
+def test_late_prompts_are_not_counted_ahead():
+    e, now = late_flood()
+    assert newcomer(e, now, 300, 2000.0).predicted_s < 0.5
+
+
+def test_late_partial_prefills_hold_no_slot_against_a_prompt_that_can_make_it():
+    e, now = late_flood()
     b = request("b", 300, max_tokens=2, arrival_ns=int(now * MS))
     b.tenant = "b"
     e.add_request(b)
@@ -218,14 +236,15 @@ def test_with_api_keys_and_no_operator_key_settings_are_fixed():
 # -- under load ---------------------------------------------------------------------------
 @pytest.mark.slow
 async def test_another_keys_waiting_flood_with_far_targets_refuses_few_of_a_well_behaved_keys():
-    """With shedding on: key a keeps 64 prompts of 4,000 tokens waiting with
-    10-minute targets; key b sends a 300-token prompt every 0.5 s. At most one
-    in eight of b's is refused and its TTFT p50 stays within the 2 s target."""
+    """With shedding on: key a keeps 128 prompts of 4,000 tokens waiting with
+    10-minute targets (each its own: no prefix cache hit); key b sends a
+    300-token prompt every 0.5 s. At most one in eight of b's is refused and its
+    TTFT p50 stays within the 2 s target."""
     settings = GatewaySettings(api_keys=("ka", "kb"), shed_load=True)
     server = sim_server(time_scale=0.5, settings=settings, ttft_slo_ms=2000.0, tbt_slo_ms=200.0)
-    a_prompt, b_prompt = "lorem ipsum " * 2000, "dolor sit " * 150
+    a_prompt, b_prompt = "word " * 4000, "dolor sit " * 150
     try:
-        async with httpx.AsyncClient(timeout=600) as http:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as http:
 
             async def send_as(key: str, prompt: str, **fields) -> httpx.Response:
                 body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, "stream": True, **fields}
@@ -240,7 +259,7 @@ async def test_another_keys_waiting_flood_with_far_targets_refuses_few_of_a_well
                     r.ttft_s = first  # type: ignore[attr-defined]
                     return r
 
-            a = [asyncio.create_task(send_as("ka", a_prompt, ttft_slo_ms=600_000)) for _ in range(64)]
+            a = [asyncio.create_task(send_as("ka", f"{i} {a_prompt}", ttft_slo_ms=600_000)) for i in range(128)]
             await asyncio.sleep(2.0)
             b = []
             for _ in range(16):

@@ -173,8 +173,9 @@ class Scheduler:
         each queued prompt's place in the order (``core.sched.deadline.Place``)
         and the prefill it still needs. Left out: prompts that can no longer
         meet their targets (they go after any newcomer) unless past the
-        starvation ceiling, and the other choices of a prompt still computing
-        (they take its blocks, not a prefill of their own)."""
+        starvation ceiling, and the other choices of a prompt still computing;
+        the choices of a prompt already computed count one token each (they
+        take its blocks, not a prefill of their own)."""
         pace = self.pace
         if pace is None:
             return None
@@ -182,16 +183,15 @@ class Scheduler:
         overdue_before = now_ns - cfg.max_defer_s * 1e9
         queued: list[tuple[Place, int]] = []
         for r in self.requests.values():
-            if r.status not in (RequestStatus.WAITING, RequestStatus.PREFILLING) or self._prompt_pending(
-                r.prefill_after
-            ):
+            if r.status == RequestStatus.DECODING or self._prompt_pending(r.prefill_after):
                 continue
+            tokens = 1 if self._prompt_source(r) is not None else r.num_pending_tokens  # onto its sibling's blocks
             if r.arrival_ns < overdue_before:
-                queued.append(((OVERDUE, r.arrival_ns), r.num_pending_tokens))
+                queued.append(((OVERDUE, r.arrival_ns), tokens))
             elif slack_s(r, now_ns, pace) >= 0:
                 due = deadline_ns(r)
                 rank = class_rank(cfg.policy, r.priority, r.tenant, r.num_pending_tokens, self.served)
-                queued.append(((rank, math.inf if due is None else due), r.num_pending_tokens))
+                queued.append(((rank, math.inf if due is None else due), tokens))
         served = {t: self.served.get(t, 0) for t in self._active} if cfg.policy == Policy.FAIR else {}
         return Forecast.of(pace, self.num_added, queued, served)
 
