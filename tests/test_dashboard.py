@@ -170,7 +170,8 @@ async def test_chat_panel_streams_a_reply(server, browser):
 
 
 async def test_with_api_keys_the_page_asks_for_one(browser):
-    server = sim_server(time_scale=0.3, settings=GatewaySettings(api_keys=("open-sesame",)))
+    settings = GatewaySettings(api_keys=("open-sesame",), admin_keys=("operator",))
+    server = sim_server(time_scale=0.3, settings=settings)
     try:
         page = Page(await browser.new_page())
         await page.page.goto(server.url + "/")
@@ -178,11 +179,17 @@ async def test_with_api_keys_the_page_asks_for_one(browser):
         await page.page.fill("#key", "open-sesame")
         await page.page.click("#key-save")
         await page.page.wait_for_function("window.dashboard.connected && window.dashboard.frames > 3")
+        await page.page.select_option("#chunking", "decode_first")  # an API key may not: the page asks again
+        await page.page.wait_for_function("document.getElementById('status').textContent.includes('operator key')")
+        await page.page.wait_for_selector("#auth", state="visible", timeout=20000)
+        await page.page.fill("#key", "operator")
+        await page.page.click("#key-save")
+        await page.page.select_option("#chunking", "none")
         await page.page.select_option("#chunking", "decode_first")
         await page.page.wait_for_function("document.getElementById('status').textContent.includes('applied')")
         cfg = (await asyncio.to_thread(httpx.get, server.url + "/api/config")).json()["scheduler"]
         assert cfg["chunking"] == "decode_first"
-        # the only console errors allowed are the refused socket before the key was given
-        assert all("WebSocket" in e or "401" in e for e in page.errors), page.errors
+        # the only console errors allowed are the refused socket before the key was given, and the refused change
+        assert all("WebSocket" in e or "401" in e or "403" in e for e in page.errors), page.errors
     finally:
         server.stop()

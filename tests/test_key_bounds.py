@@ -17,6 +17,7 @@ from websockets.asyncio.client import connect
 from stallfree.core.sched.config import Policy
 from stallfree.core.sched.deadline import Pace, verdict
 from stallfree.core.sched.policy import newcomer_place
+from stallfree.core.sched.request import RequestStatus
 from stallfree.gateway.edge.grants import Grant, parse_grant
 from stallfree.gateway.engine.admission import Admission
 from stallfree.gateway.settings import GatewaySettings
@@ -275,3 +276,24 @@ async def test_another_keys_waiting_flood_with_far_targets_refuses_few_of_a_well
         assert statistics.median(ttfts) <= 2.0, ttfts
     finally:
         server.stop()
+
+
+def test_a_partial_prefill_that_yields_its_slot_keeps_its_work():
+    """The late partial prefill goes back to waiting for key b's prompt, its
+    computed blocks left in the prefix cache: readmitted, it starts from them."""
+    e, now = late_flood()
+    (a,) = [r for r in e.scheduler.running if r.status == RequestStatus.PREFILLING]
+    done = a.num_computed_tokens
+    b = request("b", 300, max_tokens=2, arrival_ns=int(now * MS))
+    e.add_request(b)
+    e.clock.now_ns = int(now * MS)
+    seen, record = step(e)
+    assert ("b", 256, True) in seen and record.preemptions == 1
+    assert a.status == RequestStatus.WAITING and not a.block_ids
+    assert e.kv.cached_prefix_tokens(a) == done - done % 16  # its full blocks, still cached
+    run_until_first_token(e, "b", now + ITERATION_MS)
+    while a.status == RequestStatus.WAITING:
+        now += ITERATION_MS
+        e.clock.now_ns = int(now * MS)
+        step(e)
+    assert a.num_computed_tokens >= done - done % 16  # it went on from there

@@ -143,6 +143,7 @@ def invariants(e, schedule):
     def checked(now_ns):
         cfg = cfg_holder.config
         decoding = {r for r in cfg_holder.running if r.status == RequestStatus.DECODING}
+        partial_before = {r for r in cfg_holder.running if r.status == RequestStatus.PREFILLING}
         waiting_before = set(cfg_holder.waiting)
         limit = cfg.long_prefill_tokens or cfg.token_budget
         long_partial = [
@@ -168,6 +169,12 @@ def invariants(e, schedule):
                 assert any(i.is_prefill and i.request.arrival_ns < deadline for i in batch.items), (
                     "an overdue prefill starved"
                 )
+        if batch.yielded:  # partial prefills give their slot only to prompts admitted now, under TTFT targets
+            event("a partial prefill yielded its slot")
+            admitted = [i.request for i in batch.items if i.request in waiting_before]
+            assert cfg.ttft_slo_ms and set(batch.yielded) <= partial_before
+            assert len(batch.yielded) <= len(admitted)
+            assert all(r.status == RequestStatus.WAITING and not r.block_ids for r in batch.yielded)
         served = [i.request for i in batch.items if not i.is_prefill]
         for victim in batch.preempted:
             assert all(victim.priority >= r.priority for r in served), "preempted ahead of lower priority"

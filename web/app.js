@@ -214,7 +214,11 @@ async function applyConfig(changes) {
   if (apiKey) headers.Authorization = "Bearer " + apiKey;
   const r = await fetch("/api/config", { method: "PUT", headers, body: JSON.stringify(changes) });
   const body = await r.json();
-  if (r.status === 401) { needKey(); return; }
+  if (r.status === 401 || r.status === 403) {  // 403: a key that generates but may not change settings
+    needKey();
+    status(body.error.message);
+    return;
+  }
   if (!r.ok) { status(body.error.message); return; }
   const c = body.scheduler;
   if ("token_budget" in changes) $("budget").value = c.token_budget;  // shows a clamp

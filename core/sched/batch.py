@@ -52,7 +52,9 @@ class Batch:
 
     iteration: int
     items: list[Item] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # decodes sent back for KV room (recompute)
+    # partial prefills sent back to give their slot to a prompt due earlier (under TTFT targets)
+    yielded: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) KV blocks
     imports: list[KvImport] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests ended since the previous batch

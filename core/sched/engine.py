@@ -300,7 +300,7 @@ class Engine:
             kv_used_blocks=self.kv.num_used_blocks,
             kv_free_blocks=self.kv.num_free_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks,
-            preemptions=len(batch.preempted),
+            preemptions=len(batch.preempted) + len(batch.yielded),
             draft_tokens=batch.draft_tokens,
             accepted_tokens=sum(new.draft for new in emitted),
             drafts_declined=batch.drafts_declined,

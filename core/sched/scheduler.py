@@ -274,7 +274,7 @@ class Scheduler:
                 break
             while not self._allocate(batch, req, 1):
                 victim = max((r for r in self.running if r.status == RequestStatus.DECODING), key=rank)
-                self._preempt(victim, batch)
+                self._preempt(victim, batch.preempted)
                 if victim is req:
                     break
             else:
@@ -325,27 +325,36 @@ class Scheduler:
         when its deadline is the nearer. Once a waiting prompt cannot be
         admitted (KV room, the partial-prefill limit), no later one is.
 
-        The partial-prefill limit holds in the same order: only partial
-        prefills ahead of a prompt hold slots against it, so one that can still
-        meet its target is admitted beside partial prefills due later or
-        already late (they keep their KV and go on when the budget allows),
-        and another key's long prompts cannot keep it waiting for their slots."""
+        The partial-prefill limit follows the same order: a prompt that can
+        still meet its target and finds every slot held takes the slot of the
+        partial prefill last in the order after it (due later, or already
+        late), which goes back to waiting (``Batch.yielded``) with its computed
+        blocks left in the prefix cache, to go on from them when its turn comes
+        (unless they are evicted first). So another key's long prompts, due
+        later or late, cannot keep it waiting for their slots; the starvation
+        ceiling still bounds how long any prompt waits."""
         shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
+        slack = self._slack(now_ns)
+        assert slack is not None
         admitting = True
         order = self._by_deadline(now_ns)
         runs = [(p, list(g)) for p, g in itertools.groupby(order, key=lambda r: r.status == RequestStatus.PREFILLING)]
-        ahead: list[Request] = []  # the partial prefills so far in the order, and the prompts admitted
-        for partial, run in runs:
+        for i, (partial, run) in enumerate(runs):
             if left == 0:
                 break
             if partial:  # in pass 2's order (``_partials``), not the run's
                 chosen = set(run)
                 left = self._prefill_running(batch, left, shared, [r for r in self._partials(now_ns) if r in chosen])
-                ahead += run
             elif admitting:
-                before = len(self.running)
-                left = self._admit(batch, left, shared, run, held=self._staying_partial(batch, ahead))
-                ahead += self.running[before:]
+                later = [r for is_partial, rs in runs[i + 1 :] if is_partial for r in rs]
+
+                def make_room(req: Request, later: list[Request] = later) -> bool:
+                    if not later or slack(req) < 0:
+                        return False
+                    self._preempt(later.pop(), batch.yielded, first=True)
+                    return True
+
+                left = self._admit(batch, left, shared, run, make_room=make_room)
                 admitting = run[-1].status != RequestStatus.WAITING
         return left
 
@@ -405,15 +414,16 @@ class Scheduler:
         limit: TimeLimit | None,
         ordered: list[Request],
         whole: bool = False,
-        held: int | None = None,
+        make_room: Callable[[Request], bool] | None = None,
     ) -> int:
-        """Pass 3: admit from ``ordered`` (waiting requests in policy order);
-        ``held``: the partial-prefill slots held against them (default: every
-        partial prefill that goes on after this batch)."""
+        """Pass 3: admit from ``ordered`` (waiting requests in policy order).
+        ``make_room(req)``: frees a partial-prefill slot for req when all are
+        held, if it may (True: one was freed)."""
         cfg = self.config
         if not ordered or left == 0:
             return left
-        partial = held if held is not None else self._staying_partial(batch, self.running)
+        finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
+        partial = sum(1 for r in self.running if r.status == RequestStatus.PREFILLING and r not in finishing)
         admitted = []
         for req in ordered:
             if left == 0 or len(self.running) >= cfg.max_num_seqs:
@@ -432,7 +442,9 @@ class Scheduler:
             if n == 0:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
-                continue  # would stay partial; a prompt that finishes in this chunk may still go
+                if make_room is None or not make_room(req):
+                    continue  # would stay partial; a prompt that finishes in this chunk may still go
+                partial -= 1
             footprint = self._footprint(req)
             found = self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)
             if not self._admitted(req, found):
@@ -450,12 +462,6 @@ class Scheduler:
             taken = set(admitted)
             self.waiting = [r for r in self.waiting if r not in taken]
         return left
-
-    @staticmethod
-    def _staying_partial(batch: Batch, requests: list[Request]) -> int:
-        """How many of ``requests`` are partial prefills that this batch does not finish."""
-        finishing = {item.request for item in batch.items if item.is_prefill and item.samples}
-        return sum(1 for r in requests if r.status == RequestStatus.PREFILLING and r not in finishing)
 
     def _footprint(self, req: Request) -> int:
         """Tokens of KV to guarantee req at admission: what it holds plus its decode reserve."""
@@ -570,16 +576,22 @@ class Scheduler:
         req.num_computed_tokens = admitted.computed_tokens
         return True
 
-    def _preempt(self, req: Request, batch: Batch) -> None:
-        """Recompute-style preemption: drop the KV, keep prompt and outputs."""
+    def _preempt(self, req: Request, into: list[Request], first: bool = False) -> None:
+        """Recompute-style preemption: drop the KV (its computed blocks stay in the
+        prefix cache until evicted), keep prompt and outputs; ``into``: the
+        batch's list of such requests it belongs in; ``first``: ahead of the
+        waiting prompts it ties with in policy order (they would evict its blocks)."""
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(req)
-        batch.preempted.append(req)
+        if first:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
+        into.append(req)
 
     def _ordered(self, now_ns: int) -> list[Request]:
         """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
