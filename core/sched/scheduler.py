@@ -328,9 +328,9 @@ class Scheduler:
         The partial-prefill limit follows the same order: a prompt that can
         still meet its target and finds every slot held takes the slot of the
         partial prefill last in the order after it (due later, or already
-        late), which goes back to waiting (``Batch.yielded``) with its computed
-        blocks left in the prefix cache, to go on from them when its turn comes
-        (unless they are evicted first). So another key's long prompts, due
+        late; never one of a more urgent priority), which goes back to waiting
+        (``Batch.yielded``) with its computed blocks left in the prefix cache,
+        to go on from them when its turn comes (unless they are evicted first). So another key's long prompts, due
         later or late, cannot keep it waiting for their slots; the starvation
         ceiling still bounds how long any prompt waits."""
         shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
@@ -349,9 +349,12 @@ class Scheduler:
                 later = [r for is_partial, rs in runs[i + 1 :] if is_partial for r in rs]
 
                 def make_room(req: Request, later: list[Request] = later) -> bool:
-                    if not later or slack(req) < 0:
+                    """The slot of the last partial prefill after req, none more urgent in priority."""
+                    yielding = [r for r in later if r.priority >= req.priority]
+                    if not yielding or slack(req) < 0:
                         return False
-                    self._preempt(later.pop(), batch.yielded, first=True)
+                    later.remove(yielding[-1])
+                    self._preempt(yielding[-1], batch.yielded, first=True)
                     return True
 
                 left = self._admit(batch, left, shared, run, make_room=make_room)
