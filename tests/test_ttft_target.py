@@ -86,21 +86,27 @@ def test_a_prompt_that_cannot_make_it_goes_after_those_that_can():
     assert first_chunk(e, 200) == "B"
 
 
-def test_the_starvation_ceiling_still_comes_first():
-    """L has no target (its slack is unbounded) and waits behind targeted prompts,
-    but once it has waited past max_defer_s it goes before all of them."""
-    e = engine(ttft_slo_ms=1000.0, max_defer_s=0.5)
+def test_the_starvation_ceiling_overtakes_all_but_prompts_that_can_make_their_targets():
+    """Under sjf, L (long, no target) waits behind X (short, no target) and S (on
+    time). Once L has waited past max_defer_s it goes before X, whatever the
+    classes, but never before S, which can still make its target: another
+    key's flood, aged past the ceiling, cannot make an on-time prompt late."""
+    e = engine(ttft_slo_ms=1000.0, max_defer_s=0.5, policy="sjf")
     slack = lambda r: slack_s(r, now, e.scheduler.pace)  # noqa: E731
-    long = request("L", 100, arrival_ns=0)
-    long.ttft_slo_ms = 0.0
-    e.add_request(long)
-    e.add_request(request("S", 100, arrival_ns=400 * MS))
+    for rid, n, at_ms, target in (("L", 100, 0, 0.0), ("X", 10, 400, 0.0), ("S", 100, 400, None)):
+        r = request(rid, n, arrival_ns=at_ms * MS)
+        r.ttft_slo_ms = target
+        e.add_request(r)
     waiting, served = e.scheduler.waiting, e.scheduler.served
+
+    def order(now_ns: int) -> list[str]:
+        return [r.request_id for r in order_waiting(waiting, Policy.SJF, now_ns, 0.5, len, served, slack)]
+
     now = 450 * MS
-    assert [r.request_id for r in order_waiting(waiting, Policy.FCFS, now, 0.5, len, served, slack)] == ["S", "L"]
+    assert order(now) == ["S", "X", "L"]
     now = 501 * MS
-    assert [r.request_id for r in order_waiting(waiting, Policy.FCFS, now, 0.5, len, served, slack)] == ["L", "S"]
-    assert first_chunk(e, 501) == "L"
+    assert order(now) == ["S", "L", "X"]
+    assert first_chunk(e, 501) == "S"
 
 
 def test_fair_share_and_priority_hold_under_deadlines():

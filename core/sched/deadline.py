@@ -13,15 +13,16 @@ Slack = deadline - now - the prefill time still needed. A prompt whose slack
 is negative can no longer meet its target; it goes after every prompt that
 still can (eager relegation, as Niyama does), or everybody would miss
 together; among those that can, the nearest deadline goes first
-(``core.sched.policy.deadline_order``). The starvation ceiling still bounds
-how long any prompt waits.
+(``core.sched.policy.deadline_order``). The starvation ceiling bounds how
+long a prompt that cannot make its target (or has none) waits behind the
+others of its kind; one that can is bounded by its deadline.
 
 Admission's forecast counts, for a newcomer, only the prefill that will run
 ahead of it in that order: prompts of a more urgent class (the policy's:
-``core.sched.policy.class_rank``), then those of its class due no later, and
-whatever has waited past the ceiling; never a prompt due after it (another
-key's 10-minute targets do not make a 2-second one late), nor one already
-late (those go after it).
+``core.sched.policy.class_rank``), then those of its class due no later;
+never a prompt due after it (another key's 10-minute targets do not make a
+2-second one late), nor one already late or past the ceiling (those go
+after it).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def slack_s(req: Request, now_ns: int, pace: Pace | None) -> float:
 
 
 # A prompt's place in the order: (its policy class, when it is due in perf_counter_ns;
-# math.inf: it has no target). Whatever has waited past the ceiling has class -inf.
+# math.inf: it has no target, or has waited past the starvation ceiling without being able
+# to make it: behind every prompt that can).
 Place = tuple[float, float]
-OVERDUE = -math.inf
 
 
 @dataclass(slots=True, frozen=True)

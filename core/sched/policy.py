@@ -2,7 +2,10 @@
 
 Every policy honours the starvation ceiling: a request that has waited longer
 than ``max_defer_s`` goes ahead of everything else (oldest first), so
-``sjf``/``lpm``/``priority``/``fair`` can reorder but never starve.
+``sjf``/``lpm``/``priority``/``fair`` can reorder but never starve. Under TTFT
+targets, everything but the prompts that can still make their targets: those
+are bounded by their deadlines, and another key's flood, once it has waited
+past the ceiling, does not go ahead of them (``deadline_order``).
 
 ``fair`` shares the engine across tenants (API keys): the tenant served the
 fewest tokens so far goes first, a virtual token counter as in the VTC paper
@@ -19,7 +22,6 @@ after those that can (``deadline_order``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 from stallfree.core.sched.config import Policy
@@ -42,17 +44,33 @@ def order_waiting(
     slack: Callable[[Request], float] | None = None,
 ) -> list[Request]:
     deadline = now_ns - int(max_defer_s * 1e9)
+    lpm = policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE
+
+    def rank(r: Request) -> float:
+        return (
+            -cached_prefix_tokens(r) if lpm else class_rank(policy, r.priority, r.tenant, r.num_pending_tokens, served)
+        )
+
+    if slack is not None:  # the ceiling is part of the deadline order
+        return sorted(waiting, key=lambda r: ordered_by_deadline(r, rank(r), slack, deadline))
     overdue = sorted((r for r in waiting if r.arrival_ns < deadline), key=lambda r: r.arrival_ns)
-    rest = [r for r in waiting if r.arrival_ns >= deadline]
-
-    def then(r: Request) -> tuple[float, ...]:
-        return deadline_order(r, slack) if slack is not None else (r.arrival_ns,)
-
-    if policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE:
-        rest.sort(key=lambda r: (-cached_prefix_tokens(r), *then(r)))
-    else:
-        rest.sort(key=lambda r: (class_rank(policy, r.priority, r.tenant, r.num_pending_tokens, served), *then(r)))
+    rest = sorted((r for r in waiting if r.arrival_ns >= deadline), key=lambda r: (rank(r), r.arrival_ns))
     return overdue + rest
+
+
+def ordered_by_deadline(
+    r: Request, rank: float, slack: Callable[[Request], float], overdue_before: float
+) -> tuple[float, ...]:
+    """A waiting prompt's key under TTFT targets (``deadline_order``, with the
+    policy's class ``rank``): the class first among the prompts that can still
+    make their targets, and among the rest but for the overdue, who go first of
+    those, oldest first."""
+    group, *within = deadline_order(r, slack, overdue_before)
+    if group == 0:
+        return (0, rank, *within)
+    if r.arrival_ns < overdue_before:
+        return (1, 0, *within)
+    return (2, rank, *within)
 
 
 def class_rank(policy: Policy, priority: int, tenant: str, pending_tokens: int, served: Mapping[str, int]) -> float:
@@ -82,14 +100,18 @@ def newcomer_place(
     return class_rank(policy, priority, tenant, prompt_tokens, served), due_ns
 
 
-def deadline_order(r: Request, slack: Callable[[Request], float]) -> tuple[float, ...]:
+def deadline_order(r: Request, slack: Callable[[Request], float], overdue_before: float) -> tuple[float, ...]:
     """The TTFT targets' order: prompts that can still meet theirs (slack >= 0)
-    first, earliest deadline first (no target: after those with one, oldest
-    first); then those that cannot, oldest first, so that they do not make
-    everybody miss. Not least slack first: two prompts with equal deadlines
-    would take turns chunk by chunk (each chunk raises the slack of the one that
-    got it), delaying both first tokens; the deadline keeps one at a time."""
-    if slack(r) < 0:
-        return (1, 0.0, r.arrival_ns)
+    first, earliest deadline first; then, oldest first, whatever has waited
+    past the starvation ceiling (arrived before ``overdue_before``), then
+    those with no target, then those that can no longer meet theirs, so that
+    they do not make everybody miss. Not least slack first: two prompts with
+    equal deadlines would take turns chunk by chunk (each chunk raises the
+    slack of the one that got it), delaying both first tokens; the deadline
+    keeps one at a time."""
     due = deadline_ns(r)
-    return (0, due if due is not None else math.inf, r.arrival_ns)
+    if due is not None and slack(r) >= 0:
+        return (0, due, r.arrival_ns)
+    if r.arrival_ns < overdue_before:
+        return (1, 0, r.arrival_ns)
+    return (1, 1 if due is None else 2, r.arrival_ns)

@@ -55,7 +55,7 @@ from stallfree.core.sched.batch import Batch, Item, Logprobs, NewToken, Sampled
 from stallfree.core.sched.block_manager import Admitted, BlockManager
 from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
-from stallfree.core.sched.deadline import OVERDUE, Forecast, Pace, Place, deadline_ns, slack_s
+from stallfree.core.sched.deadline import Forecast, Pace, Place, deadline_ns, slack_s
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.handoff import KvImport
 from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting
@@ -171,9 +171,11 @@ class Scheduler:
     def forecast(self, now_ns: int) -> Forecast | None:
         """What admission reads, at the latest pace (None before one is known):
         each queued prompt's place in the order (``core.sched.deadline.Place``)
-        and the prefill it still needs. Left out: prompts that can no longer
-        meet their targets (they go after any newcomer) unless past the
-        starvation ceiling, and the other choices of a prompt still computing;
+        and the prefill it still needs. Prompts with no target and those past
+        the starvation ceiling stand behind every prompt with a target (due at
+        infinity). Left out: prompts that can no longer meet their targets
+        (they go after any newcomer) unless past the starvation ceiling, and
+        the other choices of a prompt still computing;
         the choices of a prompt already computed count one token each (they
         take its blocks, not a prefill of their own)."""
         pace = self.pace
@@ -186,12 +188,12 @@ class Scheduler:
             if r.status == RequestStatus.DECODING or self._prompt_pending(r.prefill_after):
                 continue
             tokens = 1 if self._prompt_source(r) is not None else r.num_pending_tokens  # onto its sibling's blocks
-            if r.arrival_ns < overdue_before:
-                queued.append(((OVERDUE, r.arrival_ns), tokens))
-            elif slack_s(r, now_ns, pace) >= 0:
-                due = deadline_ns(r)
-                rank = class_rank(cfg.policy, r.priority, r.tenant, r.num_pending_tokens, self.served)
-                queued.append(((rank, math.inf if due is None else due), tokens))
+            due = deadline_ns(r)
+            if due is not None and slack_s(r, now_ns, pace) < 0 and r.arrival_ns >= overdue_before:
+                continue  # late: behind any newcomer
+            rank = class_rank(cfg.policy, r.priority, r.tenant, r.num_pending_tokens, self.served)
+            on_time = due is not None and slack_s(r, now_ns, pace) >= 0
+            queued.append(((rank, due if on_time and due is not None else math.inf), tokens))
         served = {t: self.served.get(t, 0) for t in self._active} if cfg.policy == Policy.FAIR else {}
         return Forecast.of(pace, self.num_added, queued, served)
 
@@ -372,7 +374,7 @@ class Scheduler:
         overdue_before = now_ns - self.config.max_defer_s * 1e9
 
         def key(r: Request) -> tuple[float, ...]:
-            return (-1, r.arrival_ns) if r.arrival_ns < overdue_before else deadline_order(r, slack)
+            return deadline_order(r, slack, overdue_before)
 
         partials, waiting = sorted(self._partials(now_ns), key=key), self._ordered(now_ns)
         merged: list[Request] = []
@@ -611,7 +613,8 @@ class Scheduler:
         slack = self._slack(now_ns)
         if slack is None:
             return partial
-        return sorted(partial, key=lambda r: deadline_order(r, slack))
+        overdue_before = now_ns - self.config.max_defer_s * 1e9
+        return sorted(partial, key=lambda r: deadline_order(r, slack, overdue_before))
 
     def _keeps_deadlines(self) -> bool:
         """Has any queued prompt a TTFT target (the server's, or its own)?"""
