@@ -116,7 +116,10 @@ class EngineClient:
     def stop(self) -> None:
         self.accepting = False
         self._stopping = True
-        self.backend.stop(timeout=1.0 if self.stalled_s else 10.0)  # a stalled engine will not answer: killed
+        # an engine that does not stop within what its running iteration may take is killed
+        # (it holds nothing to save); a stalled one at once
+        allowed_s = self.settings.stall_grace_s + STALL_FACTOR * self.backend.busy_predicted_s
+        self.backend.stop(timeout=0.5 if self.stalled_s else allowed_s)
         if self.tracing is not None:
             self.tracing.shutdown()
 
