@@ -92,7 +92,6 @@ class RemoteEngine:
         self.listener: EngineListener | None = None  # given at start
         self.traceparent = traceparent  # the request's root span, which the replica's span joins
         self.ingress = uuid.uuid4().hex  # this gateway, to the replicas
-        self.last_step_ns = 0
         # iterations run on the replicas, which answer for themselves (``_replica_lost``): this
         # process is never owed an answer the watchdog could wait for
         self.owed_since_ns = 0
@@ -300,7 +299,6 @@ class RemoteEngine:
                     shift(tl, -self._offset)
                     tl.arrival_ns = f.request.arrival_ns  # the client's wait includes the hop
             known.append(out)
-        self.last_step_ns = time.perf_counter_ns()
         if known:
             self._on_step(StepOutput(None, known, self.counts(), emit_ns))
 
