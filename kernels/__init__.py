@@ -105,8 +105,11 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
         tiles = "brgemm (AMX)" if amx else "vdpbf16ps tiles"
     else:
         tiles = "brgemm"
+    threads = torch.get_num_threads()
     return {
         "kind": cpu_build.kind(),
+        # what the engine was given, and what a kernel's parallel loop runs on (1 if built without OpenMP)
+        "threads": f"{threads} (a kernel's loop runs on {torch.ops.stallfree.threads_used(4 * threads)})",
         "linear": gemm,
         "head": "float32, compact weights up to 64 rows",
         "attention prefill": tiles,

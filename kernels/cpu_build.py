@@ -14,6 +14,9 @@ Without a compiler, ninja or a working build, :func:`status` says
 the torch reference.
 ``STALLFREE_CPU_KERNELS=reference`` forces that fallback. ``make setup``
 builds it, so the first request does not wait for the compiler (~45 s here).
+Built with OpenMP: every kernel splits its work over torch's threads
+(``torch.set_num_threads``, the engine's ``--threads``); ``threads_used``
+says how many a kernel's parallel loop actually ran on.
 """
 
 from __future__ import annotations
@@ -134,7 +137,11 @@ def status() -> Status:
         load(
             name=f"stallfree_cpu_{isa.replace('-', '_')}",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-std=c++17", *ISAS[isa][1]],
+            # -fopenmp: at::parallel_for is inline, and splits work only where the
+            # including code is built with OpenMP (ATen/ParallelOpenMP.h); the runtime is
+            # the libgomp torch already loaded, so torch.set_num_threads governs it
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", *ISAS[isa][1]],
+            extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
         )

@@ -1,0 +1,127 @@
+"""Every op of the step runs on the threads the engine is given (issue 49).
+
+The kernels split their work with ``at::parallel_for``, which splits nothing
+unless the code including it is built with OpenMP: built without, they ran on
+one core whatever ``--threads`` said. Here: the build's parallel loop runs on
+every thread torch has, and each kernel of the step, called on a batch the
+size of a real iteration's, keeps as many cores busy as it has threads (its
+process CPU time over wall time: about 2 at two threads, 1 at one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from stallfree import kernels
+from stallfree.core.model.loader import load_model
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.kernels import build_attention_meta, cpu_build
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def restore_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def native():
+    status = cpu_build.status()
+    assert status.backend == "native", f"the CPU kernels did not build: {status}"
+
+
+def test_a_kernels_parallel_loop_runs_on_every_thread_it_is_given(native):
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        assert torch.ops.stallfree.threads_used(64) == threads
+
+
+def test_the_start_up_log_states_the_threads_the_kernels_run_on(native):
+    torch.set_num_threads(2)
+    assert kernels.paths(torch.bfloat16, torch.bfloat16)["threads"] == "2 (a kernel's loop runs on 2)"
+
+
+def busy_cores(call: Callable[[], object], seconds: float = 0.3, tries: int = 3) -> float:
+    """The most cores ``call`` kept busy over ``tries`` runs of about ``seconds``:
+    this process's CPU time over wall time (another process busy on a core can
+    only lower it, so the best try is the kernel's own)."""
+    call()  # warm: packing, first-touch pages
+    best = 0.0
+    for _ in range(tries):
+        cpu, wall, n = time.process_time(), time.perf_counter(), 0
+        while time.perf_counter() - wall < seconds:
+            call()
+            n += 1
+        best = max(best, (time.process_time() - cpu) / (time.perf_counter() - wall))
+    return best
+
+
+def step_ops() -> dict[str, Callable[[], object]]:
+    """One call of each op of a real iteration's step, bf16 as this machine
+    runs the model: 32 decodes at 2,048 tokens of context, a 512-token chunk
+    after a 1,536-token prefix."""
+    loaded = load_model(None)
+    dtype = torch.bfloat16 if cpu_build.detect_isa() in ("avx512-bf16", "avx512") else torch.float32
+    runner = ModelRunner(loaded, 8, 16, dtype, CPU)
+    model, cfg = runner.model, loaded.config
+    layer = model.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(512, cfg.hidden_size, generator=gen)
+    x32 = hidden[:32].to(dtype)
+    heads, kv_heads, dim, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
+    blocks = 32 * 2048 // bs + 2048 // bs
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    tables = [list(range(i * 128, (i + 1) * 128)) for i in range(32)]
+    decode = build_attention_meta(tables, [2048] * 32, [1] * 32, 32, bs, CPU)
+    chunk = build_attention_meta([list(range(32 * 128, 33 * 128))], [2048], [512], 0, bs, CPU)
+    q32 = torch.randn(32, heads, dim, generator=gen).to(dtype)
+    q512 = torch.randn(512, heads, dim, generator=gen).to(dtype)
+    gate_up = torch.randn(512, 2 * cfg.intermediate_size, generator=gen).to(dtype)
+    positions = torch.arange(1536, 2048)
+    q_rope, k_rope = q512.clone(), torch.randn(512, kv_heads, dim, generator=gen).to(dtype)
+    return {
+        "linear, 32 rows (gate_up)": lambda: kernels.linear(layer.gate_up, x32),
+        "linear, a 512-token chunk (gate_up)": lambda: kernels.linear(layer.gate_up, hidden.to(dtype)),
+        "the head, 32 rows": lambda: kernels.linear(model.lm_head, hidden[:32]),
+        "attention, 32 decodes": lambda: kernels.paged_attention(q32, k_cache, v_cache, decode, dim**-0.5),
+        "attention, a chunk after 1,536": lambda: kernels.paged_attention(q512, k_cache, v_cache, chunk, dim**-0.5),
+        "rms_norm, 512 rows": lambda: kernels.rms_norm(hidden, model.final_norm, 1e-5),
+        "silu_mul, 512 rows": lambda: kernels.silu_mul(gate_up),
+        "rope, 512 rows": lambda: kernels.rope(q_rope, k_rope, positions, model.cos_sin),
+    }
+
+
+@pytest.fixture(scope="module")
+def ops(native) -> dict[str, Callable[[], object]]:
+    return step_ops()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "op",
+    [
+        "linear, 32 rows (gate_up)",
+        "linear, a 512-token chunk (gate_up)",
+        "the head, 32 rows",
+        "attention, 32 decodes",
+        "attention, a chunk after 1,536",
+        "rms_norm, 512 rows",
+        "silu_mul, 512 rows",
+        "rope, 512 rows",
+    ],
+)
+def test_each_op_of_the_step_keeps_as_many_cores_busy_as_it_has_threads(ops, op):
+    call = ops[op]
+    torch.set_num_threads(1)
+    one = busy_cores(call)
+    torch.set_num_threads(2)
+    two = busy_cores(call)
+    assert one < 1.25 and two > 1.5, f"{op}: {one:.2f} cores busy at 1 thread, {two:.2f} at 2"
