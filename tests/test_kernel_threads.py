@@ -19,7 +19,7 @@ import torch
 from stallfree import kernels
 from stallfree.core.model.loader import load_model
 from stallfree.core.model.model_runner import ModelRunner
-from stallfree.kernels import build_attention_meta, cpu_build
+from stallfree.kernels import build_attention_meta, cpu_build, reference
 
 CPU = torch.device("cpu")
 
@@ -125,3 +125,24 @@ def test_each_op_of_the_step_keeps_as_many_cores_busy_as_it_has_threads(ops, op)
     torch.set_num_threads(2)
     two = busy_cores(call)
     assert one < 1.25 and two > 1.5, f"{op}: {one:.2f} cores busy at 1 thread, {two:.2f} at 2"
+
+
+@pytest.mark.parametrize("decodes", [2, 9])  # fewer than twice the threads: split by KV head; more: whole
+def test_attention_gives_the_same_answer_however_its_work_is_dealt(native, decodes):
+    """The items (a decode's KV heads, a chunk's row tiles per KV head) go to the
+    threads by cost: at 1 to 4 threads the answer is the reference's."""
+    gen = torch.Generator().manual_seed(decodes)
+    kv_heads, group, dim, bs = 3, 3, 64, 16
+    seqs = [(ctx, 1) for ctx in (5, 300, 40, 129, 7, 64, 200, 1, 90)[:decodes]] + [(700, 300), (0, 40)]
+    blocks = [-(-(p + n) // bs) for p, n in seqs]
+    k_cache = torch.randn(sum(blocks) + 1, bs, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(sum(blocks) + 1, bs, kv_heads, dim, generator=gen).bfloat16()
+    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(b)] for b in blocks]
+    meta = build_attention_meta(tables, [p + n for p, n in seqs], [n for _, n in seqs], decodes, bs, CPU)
+    q = torch.randn(sum(n for _, n in seqs), kv_heads * group, dim, generator=gen).bfloat16()
+    want = reference.paged_attention(q, k_cache, v_cache, meta, dim**-0.5).float()
+    for threads in (1, 2, 3, 4):
+        torch.set_num_threads(threads)
+        got = kernels.paged_attention(q, k_cache, v_cache, meta, dim**-0.5).float()
+        assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), threads

@@ -657,7 +657,28 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
 
 struct Work {
   int seq, kv_head, row0, rows;
+  int heads;    // KV heads it covers from kv_head (a decode's: all of them, or one when split)
+  double cost;  // query vectors times the keys they see: what the split balances
 };
+
+// The items of one call, dealt to `bins` threads by cost: the costliest first,
+// each to the bin with the least so far (LPT). A static split of the item
+// list in order gave one thread a chunk's heavy tiles and the other the
+// light decodes before them (a mixed iteration ran no faster on 2 threads).
+std::vector<std::vector<int>> deal(const std::vector<Work>& work, int bins) {
+  std::vector<int> order(work.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return work[a].cost > work[b].cost; });
+  std::vector<std::vector<int>> dealt(static_cast<size_t>(bins));
+  std::vector<double> load(static_cast<size_t>(bins), 0.0);
+  for (int i : order) {
+    const size_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    dealt[b].push_back(i);
+    load[b] += work[i].cost;
+  }
+  for (auto& items : dealt) std::sort(items.begin(), items.end());  // decodes first: their rows prefetch in turn
+  return dealt;
+}
 
 template <typename T, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -669,15 +690,26 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // the dot-product kernel's tiles are 32 columns wide: P V's needs D >= 32
   const bool brgemm = use_brgemm<T>() && (std::is_same_v<T, float> || amx_brgemm() || D % DOT_COLS == 0);
   const int rows_per_tile = std::max(1, (brgemm ? TILE_VECS_BRGEMM<T> : TILE_VECS) / G);
+  const int threads = at::get_num_threads();
+  int decodes = 0;
+  for (int s = 0; s < S; ++s) decodes += qs[s + 1] - qs[s] == 1;
+  // a decode is one item, every KV head, unless there are too few to keep the threads busy
+  const int decode_heads = decodes >= 2 * threads ? KVH : 1;
   std::vector<Work> work;
   for (int s = 0; s < S; ++s) {
-    if (qs[s + 1] - qs[s] == 1) {
-      work.push_back({s, 0, qs[s], 1});  // a decode: every KV head in one item
+    const int q_len = qs[s + 1] - qs[s];
+    if (q_len == 1) {
+      for (int h = 0; h < KVH; h += decode_heads)
+        work.push_back({s, h, qs[s], 1, decode_heads, static_cast<double>(decode_heads) * G * lens[s]});
       continue;
     }
-    for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile)
-      for (int h = 0; h < KVH; ++h) work.push_back({s, h, r, std::min(rows_per_tile, qs[s + 1] - r)});
+    for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile) {
+      const int rows = std::min(rows_per_tile, qs[s + 1] - r);
+      const double keys = lens[s] - q_len + (r - qs[s]) + rows / 2.0;  // the tile's rows see this many, on average
+      for (int h = 0; h < KVH; ++h) work.push_back({s, h, r, rows, 1, static_cast<double>(rows) * G * keys});
+    }
   }
+  const std::vector<std::vector<int>> dealt = deal(work, std::min<int>(threads, static_cast<int>(work.size())));
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
@@ -691,30 +723,36 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     return Cache{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
                  static_cast<int64_t>(w.kv_head) * D};
   };
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
     bool tiles_used = false;
-    for (int64_t i = begin; i < end; ++i) {
-      const Work& w = work[i];
-      const Cache c = cache_of(w);
-      const int q_len = qs[w.seq + 1] - qs[w.seq];
-      if (i + 1 < end && qs[work[i + 1].seq + 1] - qs[work[i + 1].seq] == 1) {  // the next decode's first tile
-        int64_t off[TK];
-        const int n = std::min(TK, lens[work[i + 1].seq]);
-        cache_of(work[i + 1]).offsets(0, n, off);
-        for (int t = 0; t < n; ++t) prefetch_row<T, D>(kc + off[t]), prefetch_row<T, D>(vc + off[t]);
-      }
-      const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
-      const T* qw = qp + w.row0 * q_row + head0 * q_head;
-      T* ow = op + w.row0 * o_row + head0 * D;
-      if (q_len == 1) {
-        attend_decode<T, D>(qw, G, kc, vc, c, KVH, lens[w.seq], sc, ow);
-      } else {
-        const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
-        if (brgemm) {
-          attend_tile_brgemm<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
-          tiles_used = true;
+    for (int64_t bin = begin; bin < end; ++bin) {
+      const std::vector<int>& items = dealt[bin];
+      for (size_t k = 0; k < items.size(); ++k) {
+        const Work& w = work[items[k]];
+        const Cache c = cache_of(w);
+        const int q_len = qs[w.seq + 1] - qs[w.seq];
+        if (k + 1 < items.size()) {  // the next decode's first tile
+          const Work& next = work[items[k + 1]];
+          if (qs[next.seq + 1] - qs[next.seq] == 1) {
+            int64_t off[TK];
+            const int n = std::min(TK, lens[next.seq]);
+            cache_of(next).offsets(0, n, off);
+            for (int t = 0; t < n; ++t) prefetch_row<T, D>(kc + off[t]), prefetch_row<T, D>(vc + off[t]);
+          }
+        }
+        const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
+        const T* qw = qp + w.row0 * q_row + head0 * q_head;
+        T* ow = op + w.row0 * o_row + head0 * D;
+        if (q_len == 1) {
+          attend_decode<T, D>(qw, G, kc, vc, c, w.heads, lens[w.seq], sc, ow);
         } else {
-          attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+          const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
+          if (brgemm) {
+            attend_tile_brgemm<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+            tiles_used = true;
+          } else {
+            attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+          }
         }
       }
     }
