@@ -1,0 +1,148 @@
+"""How the CPU kernels split a step's work over many threads, on paper: the
+machines here have 2 cores, the machines stallfree runs on 8 to 64.
+
+    .venv/bin/python -m bench.kernels.work_split [--threads 8,16,64]
+
+For the embedded model's shapes and each thread count: every op of a decode
+step (8, 32 and 64 streams) and of a 512-token chunk, its work items (the
+units ``at::parallel_for`` hands out, by the rule its kernel uses), how many
+each thread gets, how many threads get none, and the largest imbalance: the
+busiest thread's work over the mean (1.0: even; equal-cost items, except
+attention, whose items are weighed by the keys they read). The rules, from
+``kernels/csrc``:
+
+- ``gemm_dot`` (bf16 linear layers, AVX512-BF16): panels of rows x blocks of
+  32 output columns, grain 1; OpenMP's static split gives each thread a
+  contiguous share of ceil(items / threads).
+- ``gemm`` (the float32 head over compact weights): blocks of 32 columns,
+  grain 4 (blocks per thread at least 4 where there are enough).
+- attention: a decode is one item (every KV head), or one per KV head when
+  there are fewer decodes than twice the threads; a chunk is row tiles (256
+  rows with AMX's brgemm) x KV heads; items go to threads by cost (LPT),
+  cost = query vectors x keys seen. Contexts here are uneven: 64 to 4,096
+  tokens, spread geometrically.
+- element-wise ops: rows, grain 16.
+
+Writes bench/results/work_split-<date>.{json,md}; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from bench.record import dated, describe, machine, table
+from stallfree.core.model.embedded import embedded_model_path
+from stallfree.core.model.gguf import GGUFFile
+from stallfree.core.model.loader import gguf_config
+
+NB = 32  # output columns per block (gemm_dot and gemm alike)
+DOT_ROWS, PANEL_BYTES = 14, 256 << 10
+TILE_ROWS = 768  # query vectors per prefill tile (AMX brgemm, bf16), divided by the group below
+
+
+def static_split(items: int, grain: int, threads: int) -> list[float]:
+    """at::parallel_for's split under OpenMP: contiguous chunks, one per thread."""
+    used = min(threads, math.ceil(items / grain)) if items else 0
+    chunk = math.ceil(items / used) if used else 0
+    loads = [max(0, min(chunk, items - t * chunk)) for t in range(used)]
+    return [float(x) for x in loads] + [0.0] * (threads - used)
+
+
+def lpt(costs: list[float], threads: int) -> tuple[list[float], list[float]]:
+    """Longest first, to the least loaded (the attention kernel's ``deal``):
+    each thread's work, and its items."""
+    loads, counts = [0.0] * threads, [0.0] * threads
+    for c in sorted(costs, reverse=True):
+        i = loads.index(min(loads))
+        loads[i] += c
+        counts[i] += 1
+    return loads, counts
+
+
+def gemm_items(rows: int, k: int, n: int) -> int:
+    panel = max(DOT_ROWS, PANEL_BYTES // (2 * k) // DOT_ROWS * DOT_ROWS)
+    return math.ceil(rows / panel) * (n // NB)
+
+
+def row(op: str, loads: list[float], items: int, counts: list[float] | None = None) -> dict[str, object]:
+    """``loads``: each thread's work; ``counts``: its items (default: the loads, for equal-cost items)."""
+    counts = loads if counts is None else counts
+    mean = sum(loads) / len(loads)
+    busy = sum(1 for x in loads if x)
+    return {
+        "op": op,
+        "items": items,
+        "per_thread": f"{min(counts):g}-{max(counts):g}" if items else "0",
+        "idle_threads": len(loads) - busy,
+        "imbalance": round(max(loads) / mean, 2) if mean else None,
+    }
+
+
+def contexts(n: int) -> list[int]:
+    return [round(64 * (4096 / 64) ** (i / max(1, n - 1))) for i in range(n)]
+
+
+def step(cfg, threads: int, streams: int, chunk: int) -> list[dict[str, object]]:
+    """The ops of one iteration: ``streams`` decodes, or (streams 0) one ``chunk``-token chunk after 1,536."""
+    h, f, kvh, g = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    qkv = (cfg.num_heads + 2 * kvh) * cfg.head_dim
+    rows = streams or chunk
+    out = []
+    for name, k, n in (("qkv", h, qkv), ("o", cfg.num_heads * cfg.head_dim, h), ("gate_up", h, 2 * f), ("down", f, h)):
+        items = gemm_items(rows, k, n)
+        out.append(row(f"linear {name} ({k}x{n})", static_split(items, 1, threads), items))
+    if streams:
+        head_items = cfg.vocab_size // NB
+        out.append(row(f"head ({h}x{cfg.vocab_size}, float32)", static_split(head_items, 4, threads), head_items))
+        split = streams < 2 * threads
+        costs = [c * (1 if split else kvh) * g for c in contexts(streams) for _ in range(kvh if split else 1)]
+        loads, counts = lpt(costs, threads)
+        out.append(row("attention, decodes" + (" (by KV head)" if split else ""), loads, len(costs), counts))
+    else:
+        tile = max(1, TILE_ROWS // g)
+        costs = [
+            min(tile, chunk - r) * g * (1536 + r + min(tile, chunk - r) / 2)
+            for r in range(0, chunk, tile)
+            for _ in range(kvh)
+        ]
+        loads, counts = lpt(costs, threads)
+        out.append(row("attention, chunk after 1,536", loads, len(costs), counts))
+    out.append(row("element-wise (rows, grain 16)", static_split(rows, 16, threads), rows))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", default="8,16,64")
+    args = ap.parse_args()
+    cfg = gguf_config(GGUFFile(embedded_model_path()))
+    shapes = [(8, 0), (32, 0), (64, 0), (0, 512)]
+    results = {
+        t: {(f"decode, {s} streams" if s else "a 512-token chunk"): step(cfg, t, s, c) for s, c in shapes}
+        for t in (int(x) for x in args.threads.split(","))
+    }
+    m = machine()
+    out = dated("work_split")
+    command = "python -m bench.kernels.work_split --threads " + args.threads
+    out.with_suffix(".json").write_text(
+        json.dumps({"command": command, "model": cfg.name, "results": results}, indent=1)
+    )
+    lines = [
+        f"# How a step's work splits over many threads ({cfg.name})",
+        "",
+        f"`{command}`, on paper (nothing timed; written on {describe(m)}). Per thread: items each thread",
+        "gets; imbalance: the busiest thread's work over the mean.",
+    ]
+    for t, by_shape in results.items():
+        for shape, ops in by_shape.items():
+            lines += ["", f"## {t} threads, {shape}", ""]
+            body = [(o["op"], o["items"], o["per_thread"], o["idle_threads"], o["imbalance"]) for o in ops]
+            lines += table(["op", "items", "per thread", "idle threads", "imbalance"], body, "lrrrr")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
