@@ -231,7 +231,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="the KV cache's dtype, in which attention runs: auto (the compute dtype) or bf16 (half the cache's "
         "bytes and attention on bf16 tiles under float32 GEMMs)",
     )
-    g.add_argument("--threads", type=int, help="torch threads (default: all cores; serve: all but one)")
+    g.add_argument("--threads", type=int, help="compute threads (default: all cores)")
     g.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default %(default)s GiB)")
 
 

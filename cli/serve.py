@@ -240,9 +240,11 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
 
     settings_model = model_settings(args)
     if settings_model.threads is None:
-        # leave a core to the event loop, tokenization and local clients
-        # (bench/results/serve_threads.md: 1 thread serves as well as 2 here)
-        settings_model.threads = max(1, (os.cpu_count() or 2) - 1)
+        # every core computes: through the server on 2 cores, 2 threads ran decode iterations
+        # 1.46-1.71x faster than 1 while the gateway used 0.03 of a core and the client 0.02
+        # (bench/results/server_overhead-2026-12-05.md; the kernels built without OpenMP had
+        # made a second thread worth nothing, bench/results/serve_threads.md)
+        settings_model.threads = os.cpu_count() or 1
     runner = load_runner(settings_model)
     # a target in time, the auto budget, dynamic chunking and the drafts' cost rule deserve a fitted
     # model, measured now if none is saved

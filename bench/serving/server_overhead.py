@@ -3,10 +3,10 @@ alone and through ``stallfree serve`` with its engine on a thread of the
 gateway's process (``--engine thread``) or in a process of its own
 (``--engine process``), with and without a crowd of idle clients connected.
 
-    .venv/bin/python -m bench.serving.server_overhead [--streams 8,32,64] [--repeats 3] [--crowd 1000]
+    .venv/bin/python -m bench.serving.server_overhead [--streams 8,32,64] [--repeats 3] [--crowd 1000] [--threads 1]
 
-Engine alone: this process builds the engine (one compute thread, the
-default dtype) and times steady decode iterations of N streams
+Engine alone: this process builds the engine (``--threads`` compute threads
+each, default one; the default dtype) and times steady decode iterations of N streams
 (``bench.engine.model_throughput.decode_run``). Server: N WebSocket
 generations of the same prompt length start together; for the tokens
 ``WINDOW`` of every stream (all N decoding), the gaps between the engine's
@@ -48,7 +48,7 @@ MAX_TOKENS = 72
 WINDOW = (16, 64)  # token indices measured: after every prefill, before any stream ends
 
 
-def engine_alone(streams: list[int], prompt_tokens: int) -> tuple[dict[int, float], str]:
+def engine_alone(streams: list[int], prompt_tokens: int, threads: int) -> tuple[dict[int, float], str]:
     """Median decode iteration (ms) of the engine alone at each stream count, and
     the dtype it ran (the default's, as the server's)."""
     import torch
@@ -57,8 +57,8 @@ def engine_alone(streams: list[int], prompt_tokens: int) -> tuple[dict[int, floa
     from stallfree.core.build import ModelSettings, build_engine
     from stallfree.core.sched.config import SchedulerConfig
 
-    engine, runner = build_engine(ModelSettings(threads=1), SchedulerConfig(max_num_seqs=max(streams) + 8))
-    torch.set_num_threads(1)
+    engine, runner = build_engine(ModelSettings(threads=threads), SchedulerConfig(max_num_seqs=max(streams) + 8))
+    torch.set_num_threads(threads)
     steps = WINDOW[1] - WINDOW[0]
     out = {n: decode_run(engine, runner, n, prompt_tokens, steps)["iteration_ms"] for n in streams}
     dtype = str(runner.dtype).removeprefix("torch.")
@@ -148,7 +148,9 @@ def main() -> None:
     ap.add_argument("--engines", default="thread,process")
     ap.add_argument("--openai", action="store_true", help="also through the OpenAI streaming API (no crowd)")
     ap.add_argument("--out", default="server_overhead")
+    ap.add_argument("--threads", default="1", help="compute threads, each count a configuration (e.g. 1,2)")
     args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
     streams = [int(s) for s in args.streams.split(",")]
     engines = args.engines.split(",")
     crowds = [0, args.crowd] if args.crowd else [0]
@@ -157,26 +159,29 @@ def main() -> None:
     prompt_tokens = len(load_tokenizer().encode(PROMPT))
     rows: list[dict[str, object]] = []
     for rep in range(args.repeats):
-        alone, dtype = engine_alone(streams, prompt_tokens)
-        for n, ms in alone.items():
-            rows.append({"repeat": rep, "config": "engine alone", "streams": n, "crowd": 0, "emit_p50_ms": ms})
-            print(json.dumps(rows[-1]), file=sys.stderr)
-        for engine in engines:
-            server = StallfreeServer("--engine", engine, "--threads", "1", "--max-num-seqs", str(max(streams) + 8))
-            try:
-                for crowd in crowds:
-                    for n in streams:
-                        result = with_cores(server, through_server(server.ws_url, n, crowd))
-                        rows.append({"repeat": rep, "config": f"--engine {engine}", "streams": n, "crowd": crowd})
-                        rows[-1] |= result
+        for t in threads:
+            at = f" --threads {t}" if len(threads) > 1 else ""
+            alone, dtype = engine_alone(streams, prompt_tokens, t)
+            for n, ms in alone.items():
+                rows.append({"repeat": rep, "config": f"engine alone{at}", "streams": n, "crowd": 0, "emit_p50_ms": ms})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+            for engine in engines:
+                flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8))
+                server = StallfreeServer(*flags)
+                try:
+                    for crowd in crowds:
+                        for n in streams:
+                            result = with_cores(server, through_server(server.ws_url, n, crowd))
+                            config = f"--engine {engine}{at}"
+                            rows.append({"repeat": rep, "config": config, "streams": n, "crowd": crowd} | result)
+                            print(json.dumps(rows[-1]), file=sys.stderr)
+                    for n in streams if args.openai else []:
+                        result = with_cores(server, through_openai(server.url, n))
+                        config = f"--engine {engine}{at}, OpenAI API"
+                        rows.append({"repeat": rep, "config": config, "streams": n, "crowd": 0} | result)
                         print(json.dumps(rows[-1]), file=sys.stderr)
-                for n in streams if args.openai else []:
-                    result = with_cores(server, through_openai(server.url, n))
-                    rows.append({"repeat": rep, "config": f"--engine {engine}, OpenAI API", "streams": n, "crowd": 0})
-                    rows[-1] |= result
-                    print(json.dumps(rows[-1]), file=sys.stderr)
-            finally:
-                server.stop()
+                finally:
+                    server.stop()
     write(args, rows, streams, dtype)
 
 
@@ -202,10 +207,13 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
         return f" [{min(found):.1f}-{max(found):.1f}]" if found else ""
 
     cells = []
-    for n in streams:
-        alone = med("engine alone", n, 0, "emit_p50_ms")
-        cells.append(["engine alone", n, "", shown(alone), "", "", "", "", "", "", ""])
-        for config in sorted({str(r["config"]) for r in rows} - {"engine alone"}):
+    alones = sorted({str(r["config"]) for r in rows if str(r["config"]).startswith("engine alone")})
+    for n, alone_config in ((n, a) for n in streams for a in alones):
+        suffix = alone_config.removeprefix("engine alone")  # the thread count's, when several are compared
+        alone = med(alone_config, n, 0, "emit_p50_ms")
+        cells.append([alone_config, n, "", shown(alone), "", "", "", "", "", "", ""])
+        servers = {str(r["config"]) for r in rows} - set(alones)
+        for config in sorted(c for c in servers if c.removesuffix(", OpenAI API").endswith(suffix)):
             for crowd in sorted({int(r["crowd"]) for r in rows if r["config"] == config}):  # type: ignore[call-overload]
                 emit = med(config, n, crowd, "emit_p50_ms")
                 itl = med(config, n, crowd, "itl_p50_ms")
@@ -234,9 +242,9 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
     lines = [
         "# Where the server's time goes: decode through the engine alone and through the server",
         "",
-        f"`{doc['command']}`; {describe(doc['machine'])}; {os.cpu_count()} cores; dtype {dtype}, one compute thread",
-        "everywhere; the load generator shares the cores. Iteration: the gap between two of the engine's emits",
-        "(the engine alone: its step's time). Client ITL: the gap the client sees.",
+        f"`{doc['command']}`; {describe(doc['machine'])}; {os.cpu_count()} cores; dtype {dtype}, compute threads",
+        f"{args.threads} (as each configuration says); the load generator shares the cores. Iteration: the gap",
+        "between two of the engine's emits (the engine alone: its step's time). Client ITL: the gap the client sees.",
         "Delivery: client receive - engine emit.",
         f"Tokens {WINDOW[0]}-{WINDOW[1]} of each stream (all streams decoding). Medians over {args.repeats} repeat(s),",
         "configurations alternating; ranges: lowest-highest repeat.",
