@@ -94,7 +94,8 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
 
     amx = cpu_build.has_amx()
     if dtype == torch.bfloat16 and dot_available():
-        gemm = "vdpbf16ps up to 64 rows, oneDNN (AMX) beyond" if amx else "vdpbf16ps (dot_gemm)"
+        rows = Linear.DOT_ROWS_WITH_AMX
+        gemm = f"vdpbf16ps up to {rows} rows, oneDNN (AMX) beyond" if amx else "vdpbf16ps (dot_gemm)"
     elif dtype == torch.bfloat16:
         gemm = "oneDNN" + (" (AMX)" if amx else "")
     else:

@@ -19,7 +19,8 @@ A bf16 layer on a CPU with AVX512-BF16 (``kernels/csrc/dot_gemm.cpp``)
 runs every batch, decode or chunk, on the dot-product instruction from a
 copy packed in k pairs: 2.26x oneDNN's bf16 GEMM at 1 row, 1.10x at 32, level
 at chunk sizes (``bench.kernels.linear_kernels --dtype bf16``, Zen 4), with
-float32 outputs where the layer needs them. Elsewhere bf16 goes to oneDNN.
+float32 outputs where the layer needs them. With AMX, oneDNN's tiles win from
+a few rows on (``DOT_ROWS_WITH_AMX``). Elsewhere bf16 goes to oneDNN.
 
 A layer made with ``float_out`` (the ones whose output joins the float32
 residual stream) returns float32 products of its narrower operands, never
@@ -43,6 +44,10 @@ _PACKED = (torch.bfloat16, torch.float32)
 
 class Linear:
     COMPACT_ROWS = 64  # up to here the compact copy measured faster (bench.kernels.linear_kernels)
+    # With AMX, the dot kernel only up to here: on the 2-core Xeon (2026-12-05,
+    # linear_kernels-2026-12-05 and -2) it led at 1 row (1.34x at 1 thread, 1.26x
+    # at 2), was level at 4, and at 32 rows took 2.1x oneDNN's AMX time.
+    DOT_ROWS_WITH_AMX = 4
 
     def __init__(
         self,
@@ -73,8 +78,8 @@ class Linear:
             self.dot = torch.ops.stallfree.pack_dot(weight)
             if not cpu_build.has_amx():
                 return
-            # AMX tiles (oneDNN) beat the dot product past decode sizes: keep both
-            self.dot_rows = self.COMPACT_ROWS
+            # AMX tiles (oneDNN) beat the dot product past a few rows: keep both
+            self.dot_rows = self.DOT_ROWS_WITH_AMX
         if self.float_out and weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
             self.vnni = torch.ops.stallfree.pack_bf16(weight)
         if weight.dtype in _PACKED and _has_mkldnn_linear():
