@@ -1,14 +1,16 @@
 """stallfree and vLLM side by side on this machine, same weights, same CPU split.
 
     bash bench/peers/vllm/install.sh && bash bench/peers/vllm/convert.sh
-    .venv/bin/python -m bench.serving.compare [--repeats 3] [--dtype auto]
+    .venv/bin/python -m bench.serving.compare [--repeats 3] [--dtype auto] [--threads 1]
 
 Both engines serve bench/peers/vllm/smollm2-hf (the embedded SmolLM2 GGUF
 converted by `stallfree export`) in one dtype (``auto``: what stallfree picks
-on this CPU, bf16 with AMX / AVX-512 BF16, else fp32) and compute on one
-thread: vLLM pins its OpenMP thread to core 0 and keeps core 1 for its API
-server (its default); stallfree runs with --threads 1, its event loop beside
-it. The load generator (this process) shares the machine with both.
+on this CPU, bf16 with AMX / AVX-512 BF16, else fp32) and compute on
+``--threads`` threads: at 1, vLLM's default on 2 cores (its OpenMP thread
+pinned to core 0, core 1 kept for its API server) against stallfree's
+``--threads 1``, its event loop beside it; at N > 1, vLLM's threads bound to
+cores 0..N-1 (``VLLM_CPU_OMP_THREADS_BIND``) against ``--threads N``. The
+load generator (this process) shares the machine with both.
 
 Phase budget512 (chunked prefill, 64 sequences): decode throughput at 8 and
 32 streams, and 8 running streams while one 2,000-token prompt arrives.
@@ -49,7 +51,9 @@ from stallfree.loadtest.generator import (
 MODEL_DIR = VLLM / "smollm2-hf"
 
 
-def start_engine_stallfree(log: Path, dtype: str, compute: str = "float", kv_dtype: str = "auto") -> StallfreeServer:
+def start_engine_stallfree(
+    log: Path, dtype: str, compute: str = "float", kv_dtype: str = "auto", threads: int = 1
+) -> StallfreeServer:
     return StallfreeServer(
         "--model",
         str(MODEL_DIR),
@@ -60,7 +64,7 @@ def start_engine_stallfree(log: Path, dtype: str, compute: str = "float", kv_dty
         "--kv-dtype",
         kv_dtype,
         "--threads",
-        "1",
+        str(threads),
         "--token-budget",
         "512",
         "--max-num-seqs",
@@ -98,7 +102,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--compute", default="float", choices=["float", "int8"], help="stallfree's --compute")
     ap.add_argument("--kv-dtype", default="auto", help="stallfree's --kv-dtype (vLLM's cache stays in --dtype)")
+    ap.add_argument("--threads", type=int, default=1, help="each engine's compute threads")
+    ap.add_argument("--phases", default=",".join(PHASES), help="which of " + ", ".join(PHASES))
     args = ap.parse_args()
+    phases = {p: PHASES[p] for p in args.phases.split(",")}
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
@@ -123,7 +130,8 @@ def main() -> None:
         )
 
     vl_port = free_port()
-    sf = start_engine_stallfree(logs / "stallfree.log", dtype, args.compute, args.kv_dtype)
+    sf = start_engine_stallfree(logs / "stallfree.log", dtype, args.compute, args.kv_dtype, args.threads)
+    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"} if args.threads > 1 else None
     sf_port = sf.port
     vl = None
     targets = {
@@ -131,9 +139,9 @@ def main() -> None:
         "vllm": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
     }
     try:
-        for phase, (config, vllm_flags) in PHASES.items():
+        for phase, (config, vllm_flags) in phases.items():
             httpx.put(f"http://127.0.0.1:{sf_port}/api/config", json=config, timeout=30).raise_for_status()
-            vl = start_vllm(vl_port, logs / f"vllm-{phase}.log", "--dtype", dtype, *vllm_flags)
+            vl = start_vllm(vl_port, logs / f"vllm-{phase}.log", "--dtype", dtype, *vllm_flags, env=vllm_env)
             for rep in range(args.repeats):
                 for engine, target in targets.items():
                     if phase == "budget512":
@@ -175,7 +183,10 @@ METRICS = [  # (phase, scenario, group, key, label, higher is better)
 
 def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, dtype: str) -> None:
     metrics = []
+    done = {r["phase"] for r in rows}
     for phase, scenario, group, key, label, higher in METRICS:
+        if phase not in done:
+            continue
         vals, runs = {}, {}
         for engine in ("stallfree", "vllm"):
             mine = [r for r in rows if (r["phase"], r["scenario"], r["engine"]) == (phase, scenario, engine)]
@@ -206,6 +217,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
                 "compute": args.compute,
                 "kv_dtype": args.kv_dtype,
                 "repeats": args.repeats,
+                "threads": args.threads,
                 "table": metrics,
                 "runs": rows,
             },
@@ -216,7 +228,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
         f"# stallfree vs vLLM 0.32 (vllm-cpu), same SmolLM2-135M weights ({dtype}"
         + (", stallfree's prefill GEMMs in int8" if args.compute == "int8" else "")
         + (f", stallfree's KV cache and attention in {args.kv_dtype}" if args.kv_dtype != "auto" else "")
-        + "), one compute thread each",
+        + f"), {args.threads} compute thread{'s' if args.threads > 1 else ''} each",
         "",
         f"`{command}` on {describe(m)} — medians of {args.repeats} alternating runs per engine "
         "(min–max in brackets); ratio = stallfree / vLLM per repeat, median [min–max].",
