@@ -24,6 +24,7 @@ from stallfree.kernels.attention_meta import AttentionMeta, build_attention_meta
 from stallfree.kernels.compact import Quantized
 from stallfree.kernels.linear import Linear
 from stallfree.kernels.linear import int8_available as linear_int8_available
+from stallfree.kernels.screened_head import ScreenedHead
 
 
 @cache
@@ -112,7 +113,8 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
         # what the engine was given, and what a kernel's parallel loop runs on (1 if built without OpenMP)
         "threads": f"{threads} (a kernel's loop runs on {torch.ops.stallfree.threads_used(4 * threads)})",
         "linear": gemm,
-        "head": "float32, compact weights up to 64 rows",
+        "head": "float32, compact weights up to 64 rows"
+        + (f"; {ScreenedHead.MIN_ROWS}+ argmax-only rows: a bf16 screen (AMX), float32 rechecks" if amx else ""),
         "attention prefill": tiles,
         "attention decode": "vdpbf16ps" if kv_dtype == torch.bfloat16 and dot_available() else "float32 FMA",
     }
@@ -159,6 +161,7 @@ __all__ = [
     "AttentionMeta",
     "Linear",
     "Quantized",
+    "ScreenedHead",
     "add_rms_norm",
     "backend",
     "build_attention_meta",

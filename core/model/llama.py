@@ -91,6 +91,9 @@ class LlamaModel:
             as_dtype=torch.float32,
             body=False,
         )
+        # rows that want only their argmax screen it at a bf16 GEMM's cost where that runs (AMX)
+        head = self.lm_head
+        self.screen = kernels.ScreenedHead(head.weight) if kernels.ScreenedHead.available(head) else None
         self.final_norm = w("model.norm.weight", torch.float32)
         self.layers = []
         for i in range(config.num_layers):
@@ -121,8 +124,10 @@ class LlamaModel:
         k_cache: torch.Tensor,  # [layers, blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         logits_rows: torch.Tensor,  # rows whose next-token logits are wanted
+        argmax_only: torch.Tensor | None = None,  # [len(logits_rows)] bool: the rows that want only their argmax
     ) -> torch.Tensor:
-        """Logits (float32) for logits_rows."""
+        """Logits (float32) for logits_rows; an ``argmax_only`` row's argmax is
+        the float32 head's, its other values may be a screen's (``_head``)."""
         cfg = self.config
         t = input_ids.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -153,4 +158,17 @@ class LlamaModel:
             h = kernels.linear(layer.down, kernels.silu_mul(kernels.linear(layer.gate_up, x)))
         assert residual is not None  # set by the first layer
         last = (residual + h.float())[logits_rows]
-        return kernels.linear(self.lm_head, kernels.rms_norm(last, self.final_norm, eps)).float()
+        return self._head(kernels.rms_norm(last, self.final_norm, eps), argmax_only)
+
+    def _head(self, x: torch.Tensor, argmax_only: torch.Tensor | None) -> torch.Tensor:
+        """The float32 head; enough rows that want only their argmax take the
+        screen where it runs (kernels.screened_head), the others the head whole."""
+        screen = self.screen
+        if screen is None or argmax_only is None or int(argmax_only.sum()) < screen.MIN_ROWS:
+            return kernels.linear(self.lm_head, x).float()
+        if bool(argmax_only.all()):
+            return screen(x)
+        logits = torch.empty(x.shape[0], self.lm_head.weight.shape[0], device=x.device)
+        logits[argmax_only] = screen(x[argmax_only])
+        logits[~argmax_only] = kernels.linear(self.lm_head, x[~argmax_only]).float()
+        return logits

@@ -122,6 +122,7 @@ class ModelRunner:
         ids: list[int] = []
         tables, seq_lens, query_lens, sampled, drafts = [], [], [], [], []
         logits_rows: list[int] = []
+        argmax_only: list[bool] = []  # per logits row: its request wants only the argmax
         for item in batch.items:
             req = item.request
             ids += item.token_ids()
@@ -130,6 +131,7 @@ class ModelRunner:
             query_lens.append(item.num_tokens)
             if item.samples:
                 logits_rows += range(len(ids) - 1 - len(item.drafts), len(ids))
+                argmax_only += [req.sampling.argmax_only] * (1 + len(item.drafts))
                 sampled.append(req)
                 drafts.append(item.drafts)
         grammars = self.sampler.grammars
@@ -148,6 +150,7 @@ class ModelRunner:
             self.k_cache,
             self.v_cache,
             torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            torch.tensor(argmax_only, device=dev, dtype=torch.bool),
         )
         if not sampled:
             return Sampled([])

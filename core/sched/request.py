@@ -71,6 +71,18 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
     @property
+    def argmax_only(self) -> bool:
+        """Is the argmax of the raw logits all this request's sampling reads?
+        (Greedy, nothing that moves the logits first, no logprobs.)"""
+        return (
+            self.greedy
+            and not self.logit_bias
+            and not self.uses_history
+            and self.logprobs is None
+            and self.grammar is None
+        )
+
+    @property
     def uses_history(self) -> bool:
         """Does sampling need the tokens this request has seen (penalties)?"""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

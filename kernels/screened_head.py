@@ -1,0 +1,86 @@
+"""The float32 head's argmax at the cost of a bf16 GEMM, for rows that want
+only their argmax.
+
+The head runs in float32 (``LlamaModel`` says why: a greedy choice can hang
+on a 0.08 logit gap). Over many rows that is a float32 GEMM over the whole
+vocabulary; where oneDNN's bf16 brgemm runs (AMX) a row that wants only its
+argmax (``SamplingParams.argmax_only``) takes a screen instead:
+
+1. logits of w rounded to bf16 against x as two bf16 parts (x ~ hi + lo,
+   hi = bf16(x), lo = bf16(x - hi): one GEMM of twice the rows, so the
+   weights are read once), summed in float32 (the brgemm);
+2. a bound on each one's error: rounding w_v moves x . w_v by at most
+   u sum |x_k w_vk|, u = 2^-8, and x's two parts by u^2 of the same (their
+   products by u^3); float32 sums of K terms (the screen's two and the
+   recheck's) by at most K 2^-24 each of about the same (doubled here for
+   the screen's slightly larger terms), and sum |x_k w_vk| <= ||x|| ||w_v||:
+   E_v = C ||x|| ||w_v||, plus a floor for the subnormal products AMX
+   flushes to zero. (Rounding x to bf16 whole doubled C, and so about the
+   entries to recheck: bench.kernels.head);
+3. every entry that could still lead (screen_v + E_v >= max_u(screen_u -
+   E_u)) recomputed in float32 and written over its screened value.
+
+The true leader is among the rechecked entries (its screen plus its bound
+reaches at least the leader's float32 value, which reaches every other
+entry's screen minus its bound), and every entry left screened is below a
+rechecked one, so the row's argmax is the float32 argmax. The other values
+are the screen's: a row that wants more than its argmax never comes here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stallfree.kernels import cpu_build
+from stallfree.kernels.linear import Linear
+
+U = 2.0**-8  # bf16's unit roundoff (round to nearest even)
+FLUSHED = 1e-30  # at most K subnormal products (each < 2^-126) flushed to zero
+
+
+class ScreenedHead:
+    # Fewer rows than this take the float32 head whole: its compact copy reads
+    # fewer bytes than the bf16 screen and costs about as much (bench.kernels.head).
+    MIN_ROWS = 8
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # float32 [V, K]: the rechecks read its rows
+        self.packed = self._pack(weight.bfloat16())
+        self.norms = weight.norm(dim=1)  # ||w_v||
+        self.c = U + 2 * U * U + 6 * (weight.shape[1] + 1) * 2.0**-24
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.stallfree.pack_bf16(w)
+
+    def _screen(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 x . bf16 w_v for every v, summed in float32 (AMX brgemm)."""
+        return torch.ops.stallfree.gemm_bf16_f32(x, self.packed, self.weight.shape[0], None)
+
+    @staticmethod
+    def available(layer: Linear) -> bool:
+        """A float32 CPU head without bias whose shape the brgemm packing takes, where it runs (AMX)."""
+        w = layer.weight
+        return (
+            w.device.type == "cpu"
+            and w.dtype == torch.float32
+            and layer.bias is None
+            and w.shape[0] % 64 == 0
+            and w.shape[1] % 2 == 0
+            and cpu_build.status().backend == "native"
+            and cpu_build.has_amx()
+            and bool(torch.ops.stallfree.bf16_brgemm())
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: float32 [R, K] -> [R, V] float32 whose argmax per row is the float32 head's."""
+        return self.logits(x)[0]
+
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The screened logits with their rechecks, and how many entries were rechecked."""
+        x = x.contiguous()
+        hi = x.bfloat16()
+        both = self._screen(torch.cat([hi, (x - hi.float()).bfloat16()]))
+        logits = both[: len(x)].add_(both[len(x) :])
+        scale = self.c * x.norm(dim=1)  # E_v = scale[row] * ||w_v|| + FLUSHED
+        rechecked = torch.ops.stallfree.screen_recheck(logits, x, self.weight, self.norms, scale, FLUSHED)
+        return logits, int(rechecked)
