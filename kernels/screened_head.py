@@ -6,17 +6,13 @@ on a 0.08 logit gap). Over many rows that is a float32 GEMM over the whole
 vocabulary; where oneDNN's bf16 brgemm runs (AMX) a row that wants only its
 argmax (``SamplingParams.argmax_only``) takes a screen instead:
 
-1. logits of w rounded to bf16 against x as two bf16 parts (x ~ hi + lo,
-   hi = bf16(x), lo = bf16(x - hi): one GEMM of twice the rows, so the
-   weights are read once), summed in float32 (the brgemm);
-2. a bound on each one's error: rounding w_v moves x . w_v by at most
-   u sum |x_k w_vk|, u = 2^-8, and x's two parts by u^2 of the same (their
-   products by u^3); float32 sums of K terms (the screen's two and the
-   recheck's) by at most K 2^-24 each of about the same (doubled here for
-   the screen's slightly larger terms), and sum |x_k w_vk| <= ||x|| ||w_v||:
-   E_v = C ||x|| ||w_v||, plus a floor for the subnormal products AMX
-   flushes to zero. (Rounding x to bf16 whole doubled C, and so about the
-   entries to recheck: bench.kernels.head);
+1. logits of the operands rounded to bf16, summed in float32 (the brgemm);
+2. a bound on each one's error: rounding x and w_v to bf16 moves x . w_v by
+   at most (2u + u^2) sum |x_k w_vk| <= (2u + u^2) ||x|| ||w_v||, u = 2^-8,
+   and float32 sums of K terms (the screen's and the recheck's) by at most
+   K 2^-24 each of about the same (doubled here for the screen's slightly
+   larger terms), so E_v = C ||x|| ||w_v|| with the sum of all, plus a floor
+   for the subnormal products AMX flushes to zero;
 3. every entry that could still lead (screen_v + E_v >= max_u(screen_u -
    E_u)) recomputed in float32 and written over its screened value.
 
@@ -25,6 +21,10 @@ reaches at least the leader's float32 value, which reaches every other
 entry's screen minus its bound), and every entry left screened is below a
 rechecked one, so the row's argmax is the float32 argmax. The other values
 are the screen's: a row that wants more than its argmax never comes here.
+
+x in two bf16 parts (hi + lo, one GEMM of twice the rows) halves C and cut
+the rechecks from about 50 entries a row to 10, but on the 2-core Xeon the
+doubled GEMM cost more than they did (head-2026-12-05 against -2).
 """
 
 from __future__ import annotations
@@ -40,14 +40,15 @@ FLUSHED = 1e-30  # at most K subnormal products (each < 2^-126) flushed to zero
 
 class ScreenedHead:
     # Fewer rows than this take the float32 head whole: its compact copy reads
-    # fewer bytes than the bf16 screen and costs about as much (bench.kernels.head).
-    MIN_ROWS = 8
+    # fewer bytes than the bf16 screen; at 8 rows the screen took 1.3x its time,
+    # at 16 0.6-0.8x, at 32 0.7x (head-2026-12-05-2, 1 and 2 threads).
+    MIN_ROWS = 16
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight  # float32 [V, K]: the rechecks read its rows
         self.packed = self._pack(weight.bfloat16())
         self.norms = weight.norm(dim=1)  # ||w_v||
-        self.c = U + 2 * U * U + 6 * (weight.shape[1] + 1) * 2.0**-24
+        self.c = 2 * U + U * U + 4 * weight.shape[1] * 2.0**-24
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.stallfree.pack_bf16(w)
@@ -78,9 +79,7 @@ class ScreenedHead:
     def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The screened logits with their rechecks, and how many entries were rechecked."""
         x = x.contiguous()
-        hi = x.bfloat16()
-        both = self._screen(torch.cat([hi, (x - hi.float()).bfloat16()]))
-        logits = both[: len(x)].add_(both[len(x) :])
+        logits = self._screen(x.bfloat16())
         scale = self.c * x.norm(dim=1)  # E_v = scale[row] * ||w_v|| + FLUSHED
         rechecked = torch.ops.stallfree.screen_recheck(logits, x, self.weight, self.norms, scale, FLUSHED)
         return logits, int(rechecked)

@@ -12,8 +12,12 @@ import torch
 
 from stallfree import kernels
 from stallfree.core.model.llama import LlamaModel
-from stallfree.core.sched.request import SamplingParams
+from stallfree.core.model.model_runner import ModelRunner
+from stallfree.core.sched.config import CacheConfig, SchedulerConfig
+from stallfree.core.sched.engine import Engine
+from stallfree.core.sched.request import Request, SamplingParams
 from stallfree.kernels.screened_head import ScreenedHead
+from tests.simkit import tokens
 
 
 class Emulated(ScreenedHead):
@@ -91,13 +95,56 @@ def test_only_rows_that_read_nothing_but_the_argmax_are_screened():
 def test_the_model_screens_argmax_rows_and_gives_the_others_the_whole_head(tiny_model):
     model = LlamaModel(tiny_model.config, tiny_model.weights, torch.float32, torch.device("cpu"))
     model.screen = screen_of(model.lm_head.weight)
+    rows = ScreenedHead.MIN_ROWS + 8
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(12, tiny_model.config.hidden_size, generator=gen) * 3
+    x = torch.randn(rows, tiny_model.config.hidden_size, generator=gen) * 3
     whole = kernels.linear(model.lm_head, x).float()
-    few = torch.zeros(12, dtype=torch.bool)
+    few = torch.zeros(rows, dtype=torch.bool)
     few[: ScreenedHead.MIN_ROWS - 1] = True
     assert torch.equal(model._head(x, few), whole)  # too few to screen: the head whole
-    mixed = torch.tensor([True, False] * 2 + [True] * 8)
+    mixed = torch.tensor([True, False] * 4 + [True] * (rows - 8))
     got = model._head(x, mixed)
+    assert not torch.equal(got[mixed], whole[mixed])  # screened: only the leaders are float32 values
     assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
     assert torch.allclose(got[~mixed], whole[~mixed], rtol=1e-6, atol=1e-6)
+
+
+def engine_outputs(tiny_model, screen: bool) -> tuple[list[list[int]], int]:
+    """20 greedy requests and 4 that ask for logprobs, decoding side by side:
+    each one's tokens, and how many rows the screen took."""
+    runner = ModelRunner(tiny_model, 512, 16, torch.float32, torch.device("cpu"))
+    model = runner.model
+    model.screen = screen_of(model.lm_head.weight) if screen else None
+    screened = 0
+    if model.screen is not None:
+        real = model.screen
+
+        def spy(x: torch.Tensor) -> torch.Tensor:
+            nonlocal screened
+            screened += len(x)
+            return real(x)
+
+        model.screen = spy  # type: ignore[assignment]
+        model.screen.MIN_ROWS = ScreenedHead.MIN_ROWS  # type: ignore[attr-defined]
+    engine = Engine(SchedulerConfig(max_num_seqs=32, max_model_len=512), CacheConfig(512, 16), runner)
+    reqs = [
+        Request(
+            f"r{i}",
+            tokens(("s", i), 12),
+            SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2 if i % 6 == 0 else None),
+            0,
+        )
+        for i in range(24)
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work:
+        engine.step()
+    return [r.output_token_ids for r in reqs], screened
+
+
+def test_greedy_outputs_are_the_same_with_the_screen(tiny_model):
+    plain, none = engine_outputs(tiny_model, screen=False)
+    screened, rows = engine_outputs(tiny_model, screen=True)
+    assert none == 0 and rows >= 7 * 20  # 20 argmax-only rows for 7 decode steps at least
+    assert screened == plain
