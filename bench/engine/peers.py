@@ -195,12 +195,14 @@ def main() -> None:
                 f"worst gap {got['interference']['decoders']['max_gap_ms']:.0f} ms"
             )
             print(f"#{rep} {s}: {brief} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    write(base, runs, args, settings)
+    write(base, runs, args, settings, precision)
 
 
-def write(base: Path, runs: dict[str, list[dict]], args: argparse.Namespace, settings: list[str]) -> None:
+def write(
+    base: Path, runs: dict[str, list[dict]], args: argparse.Namespace, settings: list[str], precision: str
+) -> None:
     first = settings[0]
-    rows, values = [], {}
+    rows: list[list[str]] = []
     for scenario, group, key, label, higher in METRICS:
         for s in settings:
             xs = [r[scenario][group][key] for r in runs[s] if "failed" not in r]
@@ -213,7 +215,6 @@ def write(base: Path, runs: dict[str, list[dict]], args: argparse.Namespace, set
                 for a, b in zip(runs[s], runs[first], strict=True)
                 if "failed" not in a and "failed" not in b and b[scenario][group][key]
             ]
-            values[f"{label} / {s}"] = xs
             ratio = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}–{max(ratios):.2f}]" if ratios else ""
             spread = f"{statistics.median(xs):.0f} [{min(xs):.0f}–{max(xs):.0f}]"
             rows.append([label, s, spread, ratio, "higher" if higher else "lower"])
@@ -221,12 +222,15 @@ def write(base: Path, runs: dict[str, list[dict]], args: argparse.Namespace, set
     m = machine()
     engines = {s: next((r["engine"] for r in runs[s] if "engine" in r), "?") for s in settings}
     base.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": m, "engines": engines, "runs": runs}, indent=2)
+        json.dumps(
+            {"command": command, "machine": m, "precision": precision, "engines": engines, "runs": runs}, indent=2
+        )
     )
     lines = [
         "# stallfree's engine and OpenVINO GenAI's, each alone in its process, by thread setting",
         "",
-        f"`{command}` on {describe(m)}, {os.cpu_count()} cores; each run a fresh process alone on the "
+        f"`{command}` on {describe(m)}, {os.cpu_count()} cores; {precision} compute and KV cache for both engines; "
+        "each run a fresh process alone on the "
         f"machine; medians of {args.repeats} alternating runs [min–max]; ratio to `{first}` per repeat.",
         "",
         *(f"- `{s}`: {e}" for s, e in engines.items()),
