@@ -81,15 +81,13 @@ def drive(threads: int) -> dict:
     work = json.load(sys.stdin)
     out: dict = {"engine": f"stallfree ({str(runner.dtype).removeprefix('torch.')})", "threads": threads}
     out["scenarios"] = {}
+
+    def request(rid: str, ids: list[int], max_tokens: int) -> Request:
+        return Request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), time.perf_counter_ns())
+
     for name, scenario in work["scenarios"].items():
         config = SchedulerConfig(token_budget=scenario["budget"], max_num_seqs=64, max_model_len=4096)
         engine = engine_over(runner, config, profile)
-        torch.set_num_threads(threads)
-
-        def request(rid: str, ids: list[int], max_tokens: int) -> Request:
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            return Request(rid, ids, params, time.perf_counter_ns())
-
         engine.add_request(request("warm", scenario["jobs"][0]["ids"], 4))
         while engine.has_work:
             engine.step()
