@@ -97,7 +97,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="process",
         help="where the step loop runs: an engine process of its own (default), or a thread of this one",
     )
-    gw.add_argument("--switch-interval-ms", type=float, default=1.0, help="GIL switch interval (default %(default)s)")
+    gw.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=1.0,
+        help="GIL switch interval in the gateway and the engine process (default %(default)s)",
+    )
     ob = sv.add_argument_group("observability (traces: the standard OTEL_* variables, off unless an endpoint is set)")
     ob.add_argument("--trace-iterations", type=float, default=0.0, help="fraction of iterations traced as spans")
     ob.add_argument("--log-text", action="store_true", help="log prompt and completion text (off by default)")
@@ -174,8 +179,9 @@ def run(args: argparse.Namespace) -> None:
     else:
         backend, tokenizer, name = local_backend(args, config, auto_budget, facts)
     settings.model_name = args.model_name or name
-    # the step thread's Python (scheduling, input prep) holds the GIL in 5 ms
-    # slices by default, delaying the event loop's fan-out by as much
+    # a thread's Python holds the GIL in 5 ms slices by default: here the step
+    # thread's (--engine thread) would delay the event loop's fan-out by as much;
+    # the engine process sets the same interval for its own threads
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     client = EngineClient(backend, tokenizer, settings, tracing, log_text=args.log_text)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
@@ -212,7 +218,9 @@ def local_backend(
     if args.engine == "process":
         from stallfree.gateway.engine.process import EngineProcess
 
-        process = EngineProcess(partial(local_engine, args, config, auto_budget))
+        process = EngineProcess(
+            partial(local_engine, args, config, auto_budget), switch_interval_s=args.switch_interval_ms / 1e3
+        )
         facts |= process.facts
         return process, tokenizer, process.name
     from stallfree.core.sched.step_loop import StepLoop

@@ -1,4 +1,6 @@
-"""The ASGI application: routes, API-key check, lifespan of the step thread."""
+"""The ASGI application: routes, API-key check, and the lifespan that starts
+and stops the engine client (and its backend: the engine process, or the step
+thread with ``--engine thread``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,13 @@
-"""``stallfree serve``: build the engine, start the step thread, run uvicorn.
+"""uvicorn as ``stallfree serve`` runs it: the app, stallfree's WebSocket
+protocol (frames written in one go, bounded unacknowledged bytes) and the
+shutdown rules. ``cli/serve.py`` builds the engine's backend (an engine
+process of its own by default, or a step thread in this process) and the
+``EngineClient``; ``make_server`` puts uvicorn around them.
 
 On SIGTERM/SIGINT the server stops admitting, lets in-flight requests finish
 for ``drain_timeout_s``, cancels the rest (clients get their ``done``/error
-frame), then stops uvicorn and the step thread. A second signal exits at once.
+frame), then stops uvicorn and the engine (the app's lifespan stops the
+client, which stops its backend). A second signal exits at once.
 If the engine stops for good (see ``EngineClient.fatal``), every stream has
 had its error and the server shuts down with exit status 1, for a supervisor
 to restart it.

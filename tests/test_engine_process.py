@@ -53,6 +53,13 @@ def hanging_engine() -> BuiltEngine:
     return fast_engine(hang=True)
 
 
+def interval_engine() -> BuiltEngine:
+    """The fast engine, telling the switch interval its process runs under."""
+    built = fast_engine()
+    built.facts["switch_interval_s"] = sys.getswitchinterval()
+    return built
+
+
 def broken_factory() -> BuiltEngine:
     raise ValueError("no such model: nowhere.gguf")
 
@@ -177,6 +184,20 @@ async def test_a_hung_iteration_shows_and_the_process_is_killed_on_stop():
     assert proc.alive  # alive, and busy since: the gateway's watchdog decides
     proc.stop(timeout=0.5)
     assert not proc.process.is_alive()
+
+
+def test_the_switch_interval_is_set_where_the_step_thread_runs():
+    """--switch-interval-ms reaches the engine process, not only the gateway's."""
+    proc = EngineProcess(interval_engine, switch_interval_s=0.0025)
+    try:
+        assert proc.facts["switch_interval_s"] == pytest.approx(0.0025)
+    finally:
+        proc.stop()
+    default = EngineProcess(interval_engine)
+    try:
+        assert default.facts["switch_interval_s"] == pytest.approx(0.005)  # Python's own, untouched
+    finally:
+        default.stop()
 
 
 def test_a_factory_that_fails_is_reported_at_start():

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 CONTROL = 3  # GGUF token type of control tokens (<|im_start|>, ...)
 PIECE_CHARS = 8192  # longer text is encoded in pieces of about this size, off the GIL
 TRIM_CHARS = 1 << 17  # after encoding text this long, the C heap gives its free memory back
-# one encoding thread: the other cores belong to the model's step thread
+# one encoding thread: the other cores belong to the engine's compute threads
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -121,7 +121,8 @@ class Tokenizer:
     # -- text <-> ids ------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids. ``tokenizers`` holds the GIL through a single ``encode``
-        (0.5 s for 900 kB, a stall for every stream and the step thread) but
+        (0.5 s for 900 kB, a stall for every stream, and for the step thread
+        with ``--engine thread``) but
         not through ``encode_batch``: long text goes in pieces, cut where the
         pre-tokenizer cuts anyway, so the ids are the same."""
         if len(text) <= PIECE_CHARS:

@@ -39,6 +39,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -152,11 +153,16 @@ def engine_main(
     commands: multiprocessing.connection.Connection,
     out: multiprocessing.connection.Connection,
     times: Any,
+    switch_interval_s: float | None = None,
 ) -> None:
     """The engine process's target: build, report ready, then run ``commands``
-    until told to stop; every message back goes on ``out``."""
+    until told to stop; every message back goes on ``out``. The switch
+    interval is how long the step thread's Python holds the interpreter lock
+    before the sender and the command reader may take it."""
     out_fd = out.fileno()
     _die_with_parent()
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
     # Ctrl-C and a supervisor's SIGTERM reach the whole group: the gateway drains, then stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

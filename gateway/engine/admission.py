@@ -6,7 +6,7 @@ without a first token, so a burst cannot all slip in while tokenizing; one
 API key holds at most ``max_waiting_per_key`` of it, so a key that floods
 the room cannot lock every other key out of it), then
 tokenizing in a worker thread (``tokenizer_threads`` at a time: the event
-loop and the step thread keep their cores), then the prompt's tokens
+loop and the engine's compute threads keep their cores), then the prompt's tokens
 reserved in the bucket (concurrent prompts cannot overdraw it). ``/tokenize``
 and ``/detokenize`` take the same waiting room and threads.
 

@@ -37,6 +37,7 @@ from stallfree.core.sched.deadline import Place, Verdict
 from stallfree.core.sched.engine import EngineSnapshot, RequestOutput, RequestRejected, StepOutput, check_request
 from stallfree.core.sched.policy import newcomer_place
 from stallfree.core.sched.request import FinishReason, Request, RequestEnd
+from stallfree.core.sched.step_loop import EngineStopped
 from stallfree.gateway.edge.grants import ADMIN_PREFIX, Grant, check_grant
 from stallfree.gateway.engine.admission import Admission
 from stallfree.gateway.engine.backend import EngineBackend, EngineBusy
@@ -263,8 +264,12 @@ class EngineClient:
         return stream
 
     def _submit_failed(self, request_id: str, exc: BaseException | None) -> None:
-        """Any thread: the engine refused a request that passed the checks (a bug), or stopped."""
-        log.error("engine_refused_request", request_id=request_id, error=repr(exc))
+        """Any thread: the engine stopped before it took the request (its
+        backend said why, once), or refused one that passed the checks (a bug)."""
+        if isinstance(exc, EngineStopped):
+            log.warning("request_lost_with_the_engine", request_id=request_id, reason=str(exc))
+        else:
+            log.error("engine_refused_request", request_id=request_id, error=repr(exc))
         self._call_soon(self._fail, request_id, FinishReason.ERROR)
 
     def cancel(self, request_id: str) -> None:

@@ -67,13 +67,16 @@ class EngineProcess:
     ``factory`` (picklable: a module-level function or a partial of one) builds
     the engine in that process. Construction starts the process and waits
     until its engine is built: ``facts`` then holds what it reported, and a
-    factory that raised raises ``EngineStartFailed`` here."""
+    factory that raised raises ``EngineStartFailed`` here. ``switch_interval_s``
+    is the interpreter's switch interval in that process, where the step
+    thread runs (``sys.setswitchinterval``; None keeps Python's 5 ms)."""
 
     def __init__(
         self,
         factory: Callable[[], BuiltEngine],
         start_timeout_s: float = 900.0,
         outbox_bytes: int = OUTBOX_BYTES,
+        switch_interval_s: float | None = None,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")  # fork copies threads' locks mid-use
         commands, commands_end = ctx.Pipe(duplex=False)
@@ -81,7 +84,7 @@ class EngineProcess:
         self._times = ctx.RawArray("q", TIMES)  # the step loop's: busy_since_ns, last_step_ns, predicted ns
         self.process = ctx.Process(
             target=engine_main,
-            args=(factory, commands, out, self._times),
+            args=(factory, commands, out, self._times, switch_interval_s),
             name="stallfree-engine",
             daemon=True,
         )
