@@ -94,11 +94,12 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
     from stallfree.kernels.linear import dot_available
 
     amx = cpu_build.has_amx()
-    if dtype == torch.bfloat16 and dot_available():
-        rows = Linear.DOT_ROWS_WITH_AMX
-        gemm = f"vdpbf16ps up to {rows} rows, oneDNN (AMX) beyond" if amx else "vdpbf16ps (dot_gemm)"
+    if dtype == torch.bfloat16 and amx:
+        gemm = f"one brgemm call a weight block (AMX) up to {Linear.VNNI_ROWS} rows, oneDNN (AMX) beyond"
+    elif dtype == torch.bfloat16 and dot_available():
+        gemm = "vdpbf16ps (dot_gemm)"
     elif dtype == torch.bfloat16:
-        gemm = "oneDNN" + (" (AMX)" if amx else "")
+        gemm = "oneDNN"
     else:
         gemm = "compact weights up to 64 rows, oneDNN beyond"
     if kv_dtype not in cpu_ops.brgemm_dtypes():

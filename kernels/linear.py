@@ -15,22 +15,23 @@ float32 weight, one scale per output column, and runs float32 batches through
 where ATen offers it: with AMX only, not on AVX-512 VNNI) above ``COMPACT_ROWS`` rows: only prefill chunks run in int8,
 decode-sized batches stay exact.
 
-A bf16 layer on a CPU with AVX512-BF16 (``kernels/csrc/dot_gemm.cpp``)
+A bf16 layer on a CPU with AVX512-BF16 but no AMX (``kernels/csrc/dot_gemm.cpp``)
 runs every batch, decode or chunk, on the dot-product instruction from a
 copy packed in k pairs: 2.26x oneDNN's bf16 GEMM at 1 row, 1.10x at 32, level
 at chunk sizes (``bench.kernels.linear_kernels --dtype bf16``, Zen 4), with
-float32 outputs where the layer needs them. With AMX, oneDNN's tiles win from
-a few rows on (``DOT_ROWS_WITH_AMX``). Elsewhere bf16 goes to oneDNN.
+float32 outputs where the layer needs them. With AMX, a batch of up to
+``Linear.VNNI_ROWS`` rows takes one oneDNN brgemm call a block of 64 output
+columns over a copy packed in VNNI pairs (``gemm_vnni``: nothing between the
+weights and the tiles), larger ones oneDNN's prepacked matmul. Elsewhere
+bf16 goes to oneDNN.
 
 A layer made with ``float_out`` (the ones whose output joins the float32
 residual stream) returns float32 products of its narrower operands, never
 rounded to bf16: by the dot-product kernel, or oneDNN's brgemm (AMX,
-``gemm_bf16_f32``), else by a float32 GEMM of the same bf16 values.
+``gemm_vnni``), else by a float32 GEMM of the same bf16 values.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,12 @@ _PACKED = (torch.bfloat16, torch.float32)
 
 class Linear:
     COMPACT_ROWS = 64  # up to here the compact copy measured faster (bench.kernels.linear_kernels)
-    # With AMX, the dot kernel only up to here: on the 2-core Xeon (2026-12-05,
-    # linear_kernels-2026-12-05 and -2) it led at 1 row (1.34x at 1 thread, 1.26x
-    # at 2), was level at 4, and at 32 rows took 2.1x oneDNN's AMX time.
-    DOT_ROWS_WITH_AMX = 4
+    # With AMX, bf16 batches up to here take gemm_vnni: on the 2-core Xeon it ran
+    # the model's 120 bf16 weights 1.10-1.23x faster than oneDNN's matmul from
+    # 1 to 32 rows on 1 thread (1.13-1.27x on 2) and 1.2-2.0x faster than the
+    # dot kernel from 1 to 8 rows; from 48 rows (two brgemm calls a block)
+    # oneDNN led (linear_kernels-2026-12-05-3 and -4).
+    VNNI_ROWS = 32
 
     def __init__(
         self,
@@ -61,9 +64,8 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.compact: CompactWeight | None = None
         self.float_out = float_out and weight.dtype != torch.float32
-        self.dot: torch.Tensor | None = None  # bf16 weight packed for gemm_dot
-        self.dot_rows = sys.maxsize  # batches up to this many rows take gemm_dot
-        self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_bf16_f32
+        self.dot: torch.Tensor | None = None  # bf16 weight packed for gemm_dot (every batch)
+        self.vnni: torch.Tensor | None = None  # bf16 weight packed for gemm_vnni (AMX)
         self.wide: tuple[torch.Tensor, torch.Tensor | None] | None = None  # float_out without brgemm
         self.int8: list[torch.Tensor] | None = None  # [packed, scale, shift] for gemm_int8
         if weight.device.type != "cpu":
@@ -74,14 +76,13 @@ class Linear:
             if weight.shape[0] % 64 == 0 and weight.shape[1] % 64 == 0:
                 self.int8 = torch.ops.stallfree.pack_int8(weight)
         n, k = weight.shape
-        if weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 2 == 0 and dot_available():
+        bf16 = weight.dtype == torch.bfloat16
+        if bf16 and cpu_build.has_amx():
+            if n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
+                self.vnni = torch.ops.stallfree.pack_bf16(weight)
+        elif bf16 and n % 32 == 0 and k % 2 == 0 and dot_available():
             self.dot = torch.ops.stallfree.pack_dot(weight)
-            if not cpu_build.has_amx():
-                return
-            # AMX tiles (oneDNN) beat the dot product past a few rows: keep both
-            self.dot_rows = self.DOT_ROWS_WITH_AMX
-        if self.float_out and weight.dtype == torch.bfloat16 and n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
-            self.vnni = torch.ops.stallfree.pack_bf16(weight)
+            return  # every batch on the dot kernel
         if weight.dtype in _PACKED and _has_mkldnn_linear():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
@@ -91,14 +92,16 @@ class Linear:
             self.compact = compact_weight(weight, quantized)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b by the dot-product kernel, oneDNN's prepacked weight or ``F.linear`` (every device)."""
+        """x W^T + b by the dot-product kernel, oneDNN's brgemm on the VNNI copy,
+        oneDNN's prepacked weight or ``F.linear`` (every device)."""
         if self.int8 is not None and x.dtype == torch.float32 and x.shape[0] > self.COMPACT_ROWS:
             return torch.ops.stallfree.gemm_int8(x.contiguous(), *self.int8, self.bias)
-        if self.dot is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= self.dot_rows:
+        if self.dot is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             return torch.ops.stallfree.gemm_dot(x, self.dot, self.bias, self.float_out)
+        vnni = self.vnni is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+        if vnni and (self.float_out or x.shape[0] <= self.VNNI_ROWS):  # float32 out: only this gives it unrounded
+            return torch.ops.stallfree.gemm_vnni(x, self.vnni, self.weight.shape[0], self.bias, self.float_out)
         if self.float_out:
-            if self.vnni is not None and x.dtype == torch.bfloat16:
-                return torch.ops.stallfree.gemm_bf16_f32(x, self.vnni, self.weight.shape[0], self.bias)
             if self.wide is None:  # the same bf16 values, widened once
                 self.wide = (self.weight.float(), None if self.bias is None else self.bias.float())
             return F.linear(x.float(), *self.wide)

@@ -55,7 +55,7 @@ class ScreenedHead:
 
     def _screen(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 x . bf16 w_v for every v, summed in float32 (AMX brgemm)."""
-        return torch.ops.stallfree.gemm_bf16_f32(x, self.packed, self.weight.shape[0], None)
+        return torch.ops.stallfree.gemm_vnni(x, self.packed, self.weight.shape[0], None, True)
 
     @staticmethod
     def available(layer: Linear) -> bool:

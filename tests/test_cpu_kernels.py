@@ -254,9 +254,54 @@ def test_float_out_layers_give_unrounded_float32_products(ops, rows, k, n, seed)
     assert rounded.dtype == torch.bfloat16
 
 
-def test_float_out_runs_on_brgemm_where_the_cpu_has_amx(ops):
+def test_bf16_layers_run_on_brgemm_where_the_cpu_has_amx(ops, monkeypatch):
+    """With AMX, decode-sized bf16 batches (and every float_out batch) take
+    gemm_vnni; larger bf16-out batches oneDNN's matmul."""
     layer = kernels.Linear(torch.randn(64, 64).bfloat16(), float_out=True)
     assert (layer.vnni is not None) == cpu_build.has_amx()
+    if layer.vnni is None:
+        return
+    calls: list[int] = []
+    vnni = torch.ops.stallfree.gemm_vnni
+
+    def spy(x, *args):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return vnni(x, *args)
+
+    monkeypatch.setattr(torch.ops.stallfree, "gemm_vnni", spy)
+    plain = kernels.Linear(torch.randn(64, 64).bfloat16())
+    rows = kernels.Linear.VNNI_ROWS
+    for m in (1, rows, rows + 1):
+        plain(torch.randn(m, 64).bfloat16())
+        layer(torch.randn(m, 64).bfloat16())
+    assert calls == [1, 1, rows, rows, rows + 1]  # the bf16-out layer's largest batch went to oneDNN
+
+
+@pytest.mark.skipif(not cpu_build.has_amx(), reason="gemm_vnni needs ATen's bf16 brgemm: AMX")
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    n_blocks=st.integers(1, 3),
+    k=st.sampled_from([2, 64, 96, 576]),
+    bias=st.booleans(),
+    float_out=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 999),
+)
+def test_gemm_vnni_matches_a_float64_product(ops, rows, n_blocks, k, bias, float_out, strided, seed):
+    """float32 sums of the bf16 products, rounded once to bf16 unless float_out."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 64 * n_blocks
+    wide = torch.randn(rows, k + 6, generator=gen).bfloat16()
+    x = wide[:, 3 : 3 + k] if strided else wide[:, :k].contiguous()  # rows strided like the QKV split
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    y = torch.ops.stallfree.gemm_vnni(x, torch.ops.stallfree.pack_bf16(w), n, b, float_out)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    assert y.shape == (rows, n) and y.dtype == (torch.float32 if float_out else torch.bfloat16)
+    tol = scale * (k * 2**-23 + (0 if float_out else 2**-8)) + 1e-30
+    assert ((y.double() - exact).abs() <= tol).all()
 
 
 def test_the_roofline_probe_gives_sane_figures(ops):

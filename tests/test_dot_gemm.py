@@ -78,15 +78,15 @@ def test_bad_shapes_are_refused():
 
 
 def test_bf16_layers_take_the_dot_kernel_where_it_runs():
-    """Every batch size of a bf16 layer; on AMX, a few rows only (oneDNN's tiles win past them)."""
+    """Every batch size of a bf16 layer, where the CPU has the instruction but
+    no AMX (AMX's brgemm takes the layers there)."""
     layer = kernels.Linear(torch.randn(64, 96).bfloat16(), float_out=True)
-    assert (layer.dot is not None) == dot_available() == (cpu_build.detect_isa() == "avx512-bf16")
+    assert dot_available() == (cpu_build.detect_isa() == "avx512-bf16")
+    assert (layer.dot is not None) == (dot_available() and not cpu_build.has_amx())
     x = torch.randn(70, 96).bfloat16()
     y = layer(x)
     assert y.dtype == torch.float32
     assert torch.allclose(y.double(), product(x, layer.weight, None), rtol=1e-4, atol=1e-4)
-    if layer.dot is not None:
-        assert (layer.dot_rows == kernels.Linear.DOT_ROWS_WITH_AMX) == cpu_build.has_amx()
 
 
 def test_the_start_up_log_names_the_kind_and_each_ops_path(tiny_model):
@@ -97,7 +97,8 @@ def test_the_start_up_log_names_the_kind_and_each_ops_path(tiny_model):
     runner = ModelRunner(tiny_model, 64, 16, torch.bfloat16, torch.device("cpu"))
     paths = runner_facts(runner)["kernel_paths"]
     assert isinstance(paths, dict) and paths["kind"] == cpu_build.kind()
-    assert ("vdpbf16ps" in paths["linear"]) == dot_available()
+    assert ("vdpbf16ps" in paths["linear"]) == (dot_available() and not cpu_build.has_amx())
+    assert ("brgemm" in paths["linear"]) == cpu_build.has_amx()
     assert ("vdpbf16ps" in paths["attention prefill"]) == (dot_available() and not cpu_build.has_amx())
     assert paths["head"].startswith("float32")
     assert ("vdpbf16ps" in paths["attention decode"]) == dot_available()

@@ -8,7 +8,8 @@ weights over all 121 weights (~540 MB, more than any cache, so each pass
 streams them from memory as a decode step does); the crossover sets
 ``kernels.Linear.COMPACT_ROWS``. bf16 (where the build has AVX512-BF16): the
 120 bf16 body weights (the head stays float32) on the dot-product kernel vs
-oneDNN's prepacked bf16 GEMM, with the dot kernel's GFLOP/s against the
+oneDNN's prepacked bf16 GEMM (and, with AMX, vs one brgemm call a block of
+64 columns over a VNNI-packed copy, ``gemm_vnni``), with the dot kernel's GFLOP/s against the
 ``vdpbf16ps`` peak the roofline probe measures first. Rows = sequences in
 the batch (chunk sizes at the end). Writes a new
 bench/results/linear_kernels-<date>.{json,md}.
@@ -30,19 +31,21 @@ from bench.record import dated, describe, machine, table
 from stallfree import kernels
 from stallfree.core.model.llama import LlamaModel
 from stallfree.core.model.loader import load_model
+from stallfree.kernels.linear import dot_available
 
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-BF16_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+BF16_ROWS = (1, 4, 8, 16, 32, 48, 64, 128, 256, 512)
 
 
 Path = Callable[[kernels.Linear, torch.Tensor], torch.Tensor]
 
 
 def side_by_side(
-    row_counts: tuple[int, ...], repeats: int, one_pass: Callable[[int, str], float], names: tuple[str, str]
+    row_counts: tuple[int, ...], repeats: int, one_pass: Callable[[int, str], float], names: tuple[str, ...]
 ) -> list[dict[str, Any]]:
     """Per row count, each path's median ms over ``repeats`` alternating passes
-    (the first pass of each warms up), and speed-up = first / second per pass."""
+    (the first pass of each warms up), and each later path's speed-up = first /
+    it per pass (``speedup`` for the second, ``<name>_speedup`` for the rest)."""
     results: list[dict[str, Any]] = []
     for rows in row_counts:
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -51,12 +54,12 @@ def side_by_side(
                 t = one_pass(rows, name)
                 if rep:
                     times[name].append(t)
-        ratios = [a / b for a, b in zip(times[names[0]], times[names[1]], strict=True)]
-        results.append(
-            {"rows": rows}
-            | {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}
-            | {"speedup": statistics.median(ratios), "speedup_range": (min(ratios), max(ratios))}
-        )
+        result: dict[str, Any] = {"rows": rows} | {f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}
+        for i, name in enumerate(names[1:]):
+            ratios = [a / b for a, b in zip(times[names[0]], times[name], strict=True)]
+            key = "speedup" if i == 0 else f"{name}_speedup"
+            result |= {key: statistics.median(ratios), f"{key}_range": (min(ratios), max(ratios))}
+        results.append(result)
     return results
 
 
@@ -68,24 +71,32 @@ def write(record: dict[str, Any], lines: list[str]) -> None:
     print("\n".join(lines))
 
 
-def speedup(r: dict[str, Any]) -> str:
-    return f"{r['speedup']:.2f}× [{r['speedup_range'][0]:.2f}–{r['speedup_range'][1]:.2f}]"
+def speedup(r: dict[str, Any], key: str = "speedup") -> str:
+    return f"{r[key]:.2f}× [{r[key + '_range'][0]:.2f}–{r[key + '_range'][1]:.2f}]"
 
 
 def bf16_paths(model: LlamaModel) -> tuple[list[kernels.Linear], dict[str, Path], float]:
     """(layers, {name: one layer's call}, total weights) for the bf16 comparison."""
     layers = [getattr(lay, n) for lay in model.layers for n in ("qkv", "o", "gate_up", "down")]
-    if any(lay.dot is None for lay in layers):
+    if not dot_available():
         sys.exit("the dot-product kernel does not run here (it needs the avx512-bf16 build)")
     packed = {id(lay): torch.ops.mkldnn._reorder_linear_weight(lay.weight, 64) for lay in layers}
+    # the dot kernel's copies: the layers keep none where AMX takes them
+    dots = {id(lay): lay.dot if lay.dot is not None else torch.ops.stallfree.pack_dot(lay.weight) for lay in layers}
 
     def onednn(lay: kernels.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed[id(lay)], lay.bias, "none", [], "")
 
     def dot(lay: kernels.Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.stallfree.gemm_dot(x, lay.dot, lay.bias, lay.float_out)
+        return torch.ops.stallfree.gemm_dot(x, dots[id(lay)], lay.bias, lay.float_out)
 
-    return layers, {"onednn": onednn, "dot": dot}, float(sum(lay.weight.numel() for lay in layers))
+    def vnni(lay: kernels.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.stallfree.gemm_vnni(x, lay.vnni, lay.weight.shape[0], lay.bias, lay.float_out)
+
+    paths: dict[str, Path] = {"onednn": onednn, "dot": dot}
+    if all(lay.vnni is not None for lay in layers):  # AMX: one brgemm call a block over VNNI-packed copies
+        paths["vnni"] = vnni
+    return layers, paths, float(sum(lay.weight.numel() for lay in layers))
 
 
 def main() -> None:
@@ -148,14 +159,16 @@ def bf16_main(args: argparse.Namespace) -> None:
             call(lay, xs[lay.weight.shape[1]])
         return time.perf_counter() - start
 
-    results = side_by_side(BF16_ROWS, args.repeats, one_pass, ("onednn", "dot"))
+    results = side_by_side(BF16_ROWS, args.repeats, one_pass, tuple(paths))
     for r in results:
         r["dot_gflops"] = 2 * r["rows"] * weights / r["dot_ms"] / 1e6
     m = machine()
     command = f"python -m bench.kernels.linear_kernels {' '.join(sys.argv[1:])}".strip()
     record = {"command": command, "machine": m, "dot_bf16_peak": peak, "weights": weights}
     lines = [
-        "# One decode step's bf16 linear layers: the vdpbf16ps kernel vs oneDNN bf16",
+        "# One decode step's bf16 linear layers: the vdpbf16ps kernel"
+        + (" and gemm_vnni" if "vnni" in paths else "")
+        + " vs oneDNN bf16",
         "",
         f"`{command}` on {describe(m)}; {args.threads} thread(s); embedded model, the 120 bf16 body weights "
         f"per pass ({weights * 2 / 2**20:.0f} MB; the head stays float32); medians of {args.repeats} alternating "
@@ -163,6 +176,12 @@ def bf16_main(args: argparse.Namespace) -> None:
         "probed first (cache-resident registers; a pass streams its weights from memory).",
         "",
     ]
+    vnni = "vnni" in paths
+    if vnni:
+        lines[-2] += (
+            " vnni: oneDNN's brgemm called once a block of 64 output columns over a VNNI-packed copy "
+            "(`gemm_vnni`, AMX), its speed-up = oneDNN / vnni."
+        )
     cells = [
         [
             r["rows"],
@@ -170,10 +189,13 @@ def bf16_main(args: argparse.Namespace) -> None:
             f"{r['dot_ms']:.1f}",
             f"{r['dot_gflops']:.0f} ({r['dot_gflops'] * 1e9 / peak * 100:.0f}%)" if peak else f"{r['dot_gflops']:.0f}",
             speedup(r),
+            *([f"{r['vnni_ms']:.1f}", speedup(r, "vnni_speedup")] if vnni else []),
         ]
         for r in results
     ]
-    lines += table(["rows", "oneDNN bf16 ms", "dot ms", "dot GFLOP/s (% of peak)", "speed-up"], cells, "rrrrr")
+    header = ["rows", "oneDNN bf16 ms", "dot ms", "dot GFLOP/s (% of peak)", "speed-up"]
+    header += ["vnni ms", "vnni speed-up"] if vnni else []
+    lines += table(header, cells, "r" * len(header))
     write(record | {"rows": results}, lines)
 
 

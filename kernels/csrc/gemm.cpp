@@ -216,11 +216,12 @@ at::Tensor gemm_q4_1(const at::Tensor& x, const at::Tensor& d, const at::Tensor&
              bias);
 }
 
-// ---- bf16 operands, float32 products (oneDNN brgemm: AMX where present) ----
-// The layers whose outputs join the float32 residual stream (attention out,
-// MLP down) must not round those outputs to bf16: a bf16 GEMM's output
-// rounding moved the embedded model's first answer token. Weights are packed
-// once into VNNI pairs, in blocks of 64 output columns: [N/64][K/2][64][2].
+// ---- bf16 operands by oneDNN's brgemm (AMX where present) ------------------
+// Weights are packed once into VNNI pairs, in blocks of 64 output columns:
+// [N/64][K/2][64][2]. Products are summed in float32; the layers whose
+// outputs join the float32 residual stream (attention out, MLP down) keep
+// them (a bf16 GEMM's output rounding moved the embedded model's first
+// answer token), the others round them to bf16 once.
 constexpr int NBLK = 64;
 constexpr int MBLK = 32;  // activation rows per brgemm call
 
@@ -239,27 +240,43 @@ at::Tensor pack_bf16(const at::Tensor& w) {  // w [N, K] bf16
   return out;
 }
 
-at::Tensor gemm_bf16_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const c10::optional<at::Tensor>& bias) {
+// y = x W^T + bias, float32 (float_out) or rounded to bf16.
+at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                     bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bf16 [M, K], rows strided");
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == N * K && N % NBLK == 0,
               "packed weight does not match x");
   TORCH_CHECK(!bias || (bias->numel() == N), "bias: [N]");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
-  float* yp = y.data_ptr<float>();
-  const int64_t nblocks = (N + NBLK - 1) / NBLK, mblocks = (M + MBLK - 1) / MBLK;
+  const int64_t nblocks = N / NBLK, mblocks = (M + MBLK - 1) / MBLK;
   at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[MBLK * NBLK];  // a bf16 output's products before rounding
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = (i / mblocks) * NBLK, m0 = (i % mblocks) * MBLK;  // a weight block stays in cache over the rows
       const int64_t mb = std::min<int64_t>(MBLK, M - m0);
-      at::native::cpublas::brgemm(mb, NBLK, K, lda, NBLK, N, false, xp + m0 * lda, wp + n0 * K, yp + m0 * N + n0, true);
+      float* yf = float_out ? y.data_ptr<float>() + m0 * N + n0 : c;
+      const int64_t ldc = float_out ? N : NBLK;
+      at::native::cpublas::brgemm(mb, NBLK, K, lda, NBLK, ldc, false, xp + m0 * lda, wp + n0 * K, yf, true);
+      if (!float_out) {
+        c10::BFloat16* yb = y.data_ptr<c10::BFloat16>() + m0 * N + n0;
+        for (int64_t r = 0; r < mb; ++r)
+          for (int64_t j = 0; j < NBLK; j += W) {
+            vf v = load(c + r * NBLK + j);
+            if (bp) v += load(bp + n0 + j);
+            store(yb + r * N + j, v);
+          }
+      } else if (bp) {
+        for (int64_t r = 0; r < mb; ++r)
+          for (int64_t j = 0; j < NBLK; j += W) store(yf + r * N + j, load(yf + r * N + j) + load(bp + n0 + j));
+      }
     }
     at::native::cpublas::brgemm_release(true);
   });
-  if (bias) y.add_(bias->to(at::kFloat));
   return y;
 }
 
@@ -360,8 +377,8 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.impl("gemm_int8", c10::DispatchKey::CPU, &sf::gemm_int8);
   m.def("pack_bf16(Tensor w) -> Tensor");
   m.impl("pack_bf16", c10::DispatchKey::CPU, &sf::pack_bf16);
-  m.def("gemm_bf16_f32(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
-  m.impl("gemm_bf16_f32", c10::DispatchKey::CPU, &sf::gemm_bf16_f32);
+  m.def("gemm_vnni(Tensor x, Tensor packed, int N, Tensor? bias, bool float_out) -> Tensor");
+  m.impl("gemm_vnni", c10::DispatchKey::CPU, &sf::gemm_vnni);
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.impl("gemm_bf16", c10::DispatchKey::CPU, &sf::gemm_bf16);
   m.def("gemm_q8_0(Tensor x, Tensor d, Tensor q, Tensor? bias) -> Tensor");
