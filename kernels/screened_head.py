@@ -14,7 +14,11 @@ argmax (``SamplingParams.argmax_only``) takes a screen instead:
    larger terms), so E_v = C ||x|| ||w_v|| with the sum of all, plus a floor
    for the subnormal products AMX flushes to zero;
 3. every entry that could still lead (screen_v + E_v >= max_u(screen_u -
-   E_u)) recomputed in float32 and written over its screened value.
+   E_u)) recomputed in float32 and written over its screened value. The
+   screen notes each row's max(screen_v - E_v) and max(screen_v + E_v) over
+   every block of 64 entries as it writes them (``kernels/csrc/screen.cpp``),
+   so the rechecks read only the blocks that can hold a candidate, not the
+   whole vocabulary twice.
 
 The true leader is among the rechecked entries (its screen plus its bound
 reaches at least the leader's float32 value, which reaches every other
@@ -53,9 +57,11 @@ class ScreenedHead:
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.stallfree.pack_bf16(w)
 
-    def _screen(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 x . bf16 w_v for every v, summed in float32 (AMX brgemm)."""
-        return torch.ops.stallfree.gemm_vnni(x, self.packed, self.weight.shape[0], None, True)
+    def _screen(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 x . bf16 w_v for every v, summed in float32 (AMX brgemm), and
+        bounds [V/64, R, 2]: each row's max(screen_v - E_v), max(screen_v + E_v)
+        over each block of 64 entries."""
+        return torch.ops.stallfree.screen(x.bfloat16(), self.packed, self.weight.shape[0], self.norms, scale, FLUSHED)
 
     @staticmethod
     def available(layer: Linear) -> bool:
@@ -79,7 +85,7 @@ class ScreenedHead:
     def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The screened logits with their rechecks, and how many entries were rechecked."""
         x = x.contiguous()
-        logits = self._screen(x.bfloat16())
         scale = self.c * x.norm(dim=1)  # E_v = scale[row] * ||w_v|| + FLUSHED
-        rechecked = torch.ops.stallfree.screen_recheck(logits, x, self.weight, self.norms, scale, FLUSHED)
+        logits, bounds = self._screen(x, scale)
+        rechecked = torch.ops.stallfree.screen_recheck(logits, bounds, x, self.weight, self.norms, scale, FLUSHED)
         return logits, int(rechecked)

@@ -16,18 +16,23 @@ from stallfree.core.model.model_runner import ModelRunner
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.request import Request, SamplingParams
-from stallfree.kernels.screened_head import ScreenedHead
+from stallfree.kernels.screened_head import FLUSHED, ScreenedHead
 from tests.simkit import tokens
 
 
 class Emulated(ScreenedHead):
-    """The screen's arithmetic by torch, for machines without the brgemm."""
+    """The screen's arithmetic by torch, for machines without the brgemm:
+    bf16-rounded operands summed in float32, and the bounds per block of 64."""
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         return w.float()
 
-    def _screen(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ self.packed.T
+    def _screen(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x.bfloat16().float() @ self.packed.T
+        err = scale[:, None] * self.norms + FLUSHED
+        lo = (logits - err).view(len(x), -1, 64).amax(dim=2)
+        hi = (logits + err).view(len(x), -1, 64).amax(dim=2)
+        return logits, torch.stack([lo.T, hi.T], dim=2).contiguous()
 
 
 def screen_of(weight: torch.Tensor) -> ScreenedHead:

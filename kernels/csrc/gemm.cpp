@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "vnni.h"
 
 namespace sf {
 namespace {
@@ -217,14 +218,11 @@ at::Tensor gemm_q4_1(const at::Tensor& x, const at::Tensor& d, const at::Tensor&
 }
 
 // ---- bf16 operands by oneDNN's brgemm (AMX where present) ------------------
-// Weights are packed once into VNNI pairs, in blocks of 64 output columns:
-// [N/64][K/2][64][2]. Products are summed in float32; the layers whose
+// Weights are packed once into VNNI pairs, in blocks of 64 output columns
+// (vnni.h). Products are summed in float32; the layers whose
 // outputs join the float32 residual stream (attention out, MLP down) keep
 // them (a bf16 GEMM's output rounding moved the embedded model's first
 // answer token), the others round them to bf16 once.
-constexpr int NBLK = 64;
-constexpr int MBLK = 32;  // activation rows per brgemm call
-
 bool bf16_brgemm() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 at::Tensor pack_bf16(const at::Tensor& w) {  // w [N, K] bf16

@@ -148,6 +148,19 @@ inline vf reduce_lanes(vf* d) {
   return d[0];
 }
 
+// Bit i set where lane i of a comparison's result is true.
+inline unsigned lanes_set(vi m) {
+#if defined(__AVX512F__)
+  return _mm512_movepi32_mask((__m512i)m);
+#elif defined(__AVX2__)
+  return static_cast<unsigned>(_mm256_movemask_ps((__m256)m));
+#else
+  unsigned bits = 0;
+  for (int i = 0; i < W; ++i) bits |= (m[i] != 0) << i;
+  return bits;
+#endif
+}
+
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 
