@@ -19,8 +19,6 @@ from stallfree.kernels import reference
 from stallfree.kernels.attention_meta import AttentionMeta
 from stallfree.kernels.linear import Linear
 
-write_kv = reference.write_kv  # one index_copy_ per cache: already a single pass
-
 _DTYPES = (torch.float32, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 _LANES = 16  # widest SIMD width (AVX-512 floats); sizes divisible by it suit every build
@@ -30,6 +28,16 @@ ops = torch.ops.stallfree
 
 def _rows_ok(x: torch.Tensor, multiple: int = _LANES) -> bool:
     return x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1 and x.shape[1] % multiple == 0
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Both caches in one call: a row copy a token (two index_copy_ calls cost more than the copies)."""
+    heads_contiguous = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    if not (heads_contiguous and k.dtype == v.dtype == k_cache.dtype and k_cache.is_contiguous()):
+        return reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
 def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:

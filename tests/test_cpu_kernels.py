@@ -134,6 +134,25 @@ def test_elementwise_ops_match_the_reference(ops, dtype):
     assert close(got_q, want_q, dtype) and close(got_k, want_k, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_the_reference(ops, dtype):
+    """Rows strided like the QKV split land in the slots index_copy_ puts them in;
+    a slot past the cache is refused, nothing written."""
+    torch.manual_seed(4)
+    qkv = torch.randn(5, (9 + 2 * 3) * 64, dtype=dtype)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64), qkv[:, 12 * 64 :].view(5, 3, 64)
+    slots = torch.tensor([3, 17, 0, 40, 63])
+    caches = [torch.randn(4, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    reference.write_kv(*want, k, v, slots)
+    ops.write_kv(*caches, k, v, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv(*caches, k, v, torch.tensor([3, 17, 0, 40, 64]))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
 def test_rms_norm_leaves_its_input_alone(ops):
     x = torch.randn(3, 64)
     before = x.clone()
