@@ -101,7 +101,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--switch-interval-ms",
         type=float,
         default=1.0,
-        help="GIL switch interval in the gateway and the engine process (default %(default)s)",
+        help="GIL switch interval in the gateway's process, where --engine thread's step thread runs too "
+        "(default %(default)s)",
+    )
+    gw.add_argument(
+        "--engine-switch-interval-ms",
+        type=float,
+        default=5.0,
+        help="GIL switch interval in the engine process (default %(default)s, Python's own; "
+        "bench/README: Thread placement)",
     )
     ob = sv.add_argument_group("observability (traces: the standard OTEL_* variables, off unless an endpoint is set)")
     ob.add_argument("--trace-iterations", type=float, default=0.0, help="fraction of iterations traced as spans")
@@ -180,8 +188,10 @@ def run(args: argparse.Namespace) -> None:
         backend, tokenizer, name = local_backend(args, config, auto_budget, facts)
     settings.model_name = args.model_name or name
     # a thread's Python holds the GIL in 5 ms slices by default: here the step
-    # thread's (--engine thread) would delay the event loop's fan-out by as much;
-    # the engine process sets the same interval for its own threads
+    # thread's (--engine thread) would delay the event loop's fan-out by as much.
+    # The engine process has no event loop and keeps its own interval
+    # (--engine-switch-interval-ms, Python's 5 ms by default: 1 ms there was
+    # no faster, and slower in one trial).
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     client = EngineClient(backend, tokenizer, settings, tracing, log_text=args.log_text)
     send_buffer = int(args.send_buffer_kib * 1024) if args.send_buffer_kib else None
@@ -219,7 +229,7 @@ def local_backend(
         from stallfree.gateway.engine.process import EngineProcess
 
         process = EngineProcess(
-            partial(local_engine, args, config, auto_budget), switch_interval_s=args.switch_interval_ms / 1e3
+            partial(local_engine, args, config, auto_budget), switch_interval_s=args.engine_switch_interval_ms / 1e3
         )
         facts |= process.facts
         return process, tokenizer, process.name

@@ -17,9 +17,11 @@ meanwhile (cores: CPU seconds over wall seconds, from /proc) splits the
 machine between the engine, the gateway and the load generator. The crowd:
 that many more WebSocket connections held open (idle) while the N streams run.
 ``--openai``: the same streams also through the OpenAI streaming API (SSE,
-``loadtest``'s client), where only the client's gaps are seen. Configurations
-alternate within each repeat; medians over the repeats. Writes a new
-bench/results/server_overhead-<date>.{json,md}.
+``loadtest``'s client), where only the client's gaps are seen.
+``--server-flags "A|B"``: each server configuration once per set of extra
+``serve`` flags (e.g. ``--engine-switch-interval-ms 1|--engine-switch-interval-ms 5``).
+Configurations alternate within each repeat; medians over the repeats.
+Writes a new bench/results/server_overhead-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ def main() -> None:
     ap.add_argument("--openai", action="store_true", help="also through the OpenAI streaming API (no crowd)")
     ap.add_argument("--out", default="server_overhead")
     ap.add_argument("--threads", default="1", help="compute threads, each count a configuration (e.g. 1,2)")
+    ap.add_argument("--server-flags", default="", help="extra serve flags, '|' between configurations")
     args = ap.parse_args()
+    variants = [v.split() for v in args.server_flags.split("|")]
     threads = [int(t) for t in args.threads.split(",")]
     streams = [int(s) for s in args.streams.split(",")]
     engines = args.engines.split(",")
@@ -165,19 +169,19 @@ def main() -> None:
             for n, ms in alone.items():
                 rows.append({"repeat": rep, "config": f"engine alone{at}", "streams": n, "crowd": 0, "emit_p50_ms": ms})
                 print(json.dumps(rows[-1]), file=sys.stderr)
-            for engine in engines:
-                flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8))
+            for engine, extra in ((e, v) for e in engines for v in variants):
+                flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8), *extra)
                 server = StallfreeServer(*flags)
+                named = f"--engine {engine}{' ' + ' '.join(extra) if extra else ''}{at}"
                 try:
                     for crowd in crowds:
                         for n in streams:
                             result = with_cores(server, through_server(server.ws_url, n, crowd))
-                            config = f"--engine {engine}{at}"
-                            rows.append({"repeat": rep, "config": config, "streams": n, "crowd": crowd} | result)
+                            rows.append({"repeat": rep, "config": named, "streams": n, "crowd": crowd} | result)
                             print(json.dumps(rows[-1]), file=sys.stderr)
                     for n in streams if args.openai else []:
                         result = with_cores(server, through_openai(server.url, n))
-                        config = f"--engine {engine}{at}, OpenAI API"
+                        config = f"{named}, OpenAI API"
                         rows.append({"repeat": rep, "config": config, "streams": n, "crowd": 0} | result)
                         print(json.dumps(rows[-1]), file=sys.stderr)
                 finally:
