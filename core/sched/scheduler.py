@@ -312,7 +312,8 @@ class Scheduler:
             rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
             left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
             return self._admit(batch, left, rest, self._ordered(now_ns))
-        ordered = self._ordered(now_ns)
+        # every seat taken: nobody is admitted, so the queue is not ordered (10,000 waiting: a sort a step)
+        ordered = self._ordered(now_ns) if len(self.running) < self.config.max_num_seqs else []
         short_left = self._admit(batch, short_left, first, [r for r in ordered if short(r)])
         rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
         left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
