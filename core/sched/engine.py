@@ -224,7 +224,7 @@ class Engine:
             exc_info=exc,
         )
         if self.failed_in_a_row >= 2:
-            touched += self.scheduler.waiting + self.scheduler.running
+            touched += [*self.scheduler.waiting, *self.scheduler.running]
         if self.failed_in_a_row >= self.MAX_FAILED_ITERATIONS:
             self.broken = f"{self.failed_in_a_row} iterations in a row failed; last: {exc!r}"
         self.fail(touched)
@@ -243,7 +243,7 @@ class Engine:
 
     def fail_all(self) -> None:
         """Every queued request ends with an error: the engine is shutting down broken."""
-        self.fail(self.scheduler.waiting + self.scheduler.running)
+        self.fail([*self.scheduler.waiting, *self.scheduler.running])
 
     def step_output_of_failures(self) -> StepOutput | None:
         """Report what ended outside an iteration (after ``fail_all``), without iterating."""

@@ -22,7 +22,7 @@ after those that can (``deadline_order``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from stallfree.core.sched.config import Policy
 from stallfree.core.sched.deadline import deadline_ns
@@ -35,7 +35,7 @@ LPM_MAX_QUEUE = 128
 
 
 def order_waiting(
-    waiting: list[Request],
+    waiting: Collection[Request],
     policy: Policy,
     now_ns: int,
     max_defer_s: float,

@@ -62,6 +62,7 @@ from stallfree.core.sched.policy import class_rank, deadline_order, order_waitin
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from stallfree.core.sched.time_limit import TimeLimit
 from stallfree.core.sched.timings import weighted_percentile
+from stallfree.core.sched.waiting import WaitingQueue
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
 # The TBT target's aim: iterations are sized to aim x target, where the aim is 1 over the
@@ -104,9 +105,10 @@ class Scheduler:
         # (gap / predicted time, decodes), recent targeted iterations
         self._gap_ratios: deque[tuple[float, int]] = deque(maxlen=AIM_WINDOW)
         self._last_end_ns: int | None = None  # the previous iteration's end
-        self.waiting: list[Request] = []
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
+        self._queued_with_targets = 0  # requests waiting or prefilling that have a TTFT target
         self.num_preemptions = 0
         self.num_added = 0  # requests ever given (the gateway counts those it sent since a forecast)
         self.pace: Pace | None = None  # the prefill pace of the latest iteration with deadlines to keep
@@ -135,7 +137,8 @@ class Scheduler:
             req.ttft_slo_ms = self.config.ttft_slo_ms
         req.tbt_slo_ms = self.config.tbt_slo_ms
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._queued_with_targets += bool(req.ttft_slo_ms) and queued(req.status)
+        self.waiting.add(req)
 
     def abort(self, request_id: str, now_ns: int) -> Request | None:
         req = self.requests.get(request_id)
@@ -146,12 +149,11 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason, now_ns: int) -> None:
         """End req: free its KV at once and drop it from the queues. Also
         sound after a failed iteration left req half-way between states."""
-        if req in self.waiting:
-            self.waiting.remove(req)
+        self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
         self.kv.free(req)
-        req.status = RequestStatus.FINISHED
+        self._set_status(req, RequestStatus.FINISHED)
         req.finish_reason = reason
         req.timeline.finished_ns = now_ns
         if self.requests.pop(req.request_id, None) is not None:
@@ -182,17 +184,22 @@ class Scheduler:
         if pace is None:
             return None
         cfg = self.config
+        policy, served_now = cfg.policy, self.served
         overdue_before = now_ns - cfg.max_defer_s * 1e9
         queued: list[tuple[Place, int]] = []
-        for r in self.requests.values():
-            if r.status == RequestStatus.DECODING or self._prompt_pending(r.prefill_after):
+        for r in self.requests.values():  # once a request, each figure once: 10,000 queued cost 59 ms, not 14
+            if r.status == RequestStatus.DECODING:
                 continue
-            tokens = 1 if self._prompt_source(r) is not None else r.num_pending_tokens  # onto its sibling's blocks
+            sibling = r.prefill_after is not None
+            if sibling and self._prompt_pending(r.prefill_after):
+                continue
             due = deadline_ns(r)
-            if due is not None and slack_s(r, now_ns, pace) < 0 and r.arrival_ns >= overdue_before:
-                continue  # late: behind any newcomer
-            rank = class_rank(cfg.policy, r.priority, r.tenant, r.num_pending_tokens, self.served)
             on_time = due is not None and slack_s(r, now_ns, pace) >= 0
+            if due is not None and not on_time and r.arrival_ns >= overdue_before:
+                continue  # late: behind any newcomer
+            pending = r.num_pending_tokens
+            tokens = 1 if sibling and self._prompt_source(r) is not None else pending  # onto its sibling's blocks
+            rank = class_rank(policy, r.priority, r.tenant, pending, served_now)
             queued.append(((rank, due if on_time and due is not None else math.inf), tokens))
         served = {t: self.served.get(t, 0) for t in self._active} if cfg.policy == Policy.FAIR else {}
         return Forecast.of(pace, self.num_added, queued, served)
@@ -302,13 +309,14 @@ class Scheduler:
         def short(r: Request) -> bool:
             return not long(r)
 
-        candidates = [r for r in self.running if r.status == RequestStatus.PREFILLING] + self.waiting
-        waits_long = any(map(long, candidates))
+        partials = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        waits_long = self.waiting.most_pending_tokens() > long_tokens or any(map(long, partials))
         kept = min(left, max(1, left // 4)) if waits_long else 0
         long_floor = max(1, floor // 4) if waits_long else 0
         first = limit.shared(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor) if limit else None
         short_left = self._prefill_running(batch, left - kept, first, [r for r in self._partials(now_ns) if short(r)])
-        if any(r.arrival_ns < now_ns - self.config.max_defer_s * 1e9 for r in self.waiting):
+        oldest_ns = self.waiting.oldest_arrival_ns()
+        if oldest_ns is not None and oldest_ns < now_ns - self.config.max_defer_s * 1e9:
             rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
             left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
             return self._admit(batch, left, rest, self._to_admit(now_ns))
@@ -376,7 +384,7 @@ class Scheduler:
         def key(r: Request) -> tuple[float, ...]:
             return deadline_order(r, slack, overdue_before)
 
-        partials, waiting = sorted(self._partials(now_ns), key=key), self._ordered(now_ns)
+        partials, waiting = sorted(self._partials(now_ns), key=key), self._to_admit(now_ns)
         merged: list[Request] = []
         i = j = 0
         while i < len(partials) or j < len(waiting):
@@ -456,16 +464,14 @@ class Scheduler:
                 break  # head of line waits for KV room rather than being overtaken forever
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
-            req.status = RequestStatus.PREFILLING
+            self._set_status(req, RequestStatus.PREFILLING)
             self.running.append(req)
             admitted.append(req)
             self._allocate(batch, req, n)  # within what admission reserved
             batch.items.append(Item(req, req.num_computed_tokens, n, is_prefill=True))
             left -= n
             partial += n < pending
-        if admitted:
-            taken = set(admitted)
-            self.waiting = [r for r in self.waiting if r not in taken]
+        self.waiting.remove_all(admitted)
         return left
 
     def _footprint(self, req: Request) -> int:
@@ -480,7 +486,7 @@ class Scheduler:
         if not self._admitted(req, self.kv.admit_imported(req, self._footprint(req))):
             return False
         self.kv.cache_computed(req)  # its full blocks join the prefix cache as computed ones do
-        req.status = RequestStatus.DECODING
+        self._set_status(req, RequestStatus.DECODING)
         self.running.append(req)
         self._allocate(batch, req, 1)  # within what admission reserved
         handoff = req.handoff
@@ -589,29 +595,27 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
+        self._set_status(req, RequestStatus.WAITING)
         req.num_preemptions += 1
         self.num_preemptions += 1
         if first:
-            self.waiting.insert(0, req)
+            self.waiting.add_first(req)
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
         into.append(req)
 
-    def _ordered(self, now_ns: int) -> list[Request]:
-        """The waiting queue in policy order (in ``deadline_order`` where prompts have TTFT
-        targets), computed once per iteration."""
+    def _to_admit(self, now_ns: int) -> list[Request]:
+        """What admission reads: the waiting queue in policy order (in ``deadline_order``
+        where prompts have TTFT targets), computed once per iteration; nothing while
+        every seat is taken (``_admit`` would stop at once; with 10,000 waiting the
+        sort alone cost an iteration 10-35 ms)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return []
         c = self.config
         slack = self._slack(now_ns)
         return order_waiting(
-            self.waiting, c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
+            list(self.waiting), c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
         )
-
-    def _to_admit(self, now_ns: int) -> list[Request]:
-        """What admission reads: the waiting queue in policy order, or nothing
-        while every seat is taken (``_admit`` would stop at once; with 10,000
-        waiting the sort alone cost an iteration 10-35 ms)."""
-        return self._ordered(now_ns) if len(self.running) < self.config.max_num_seqs else []
 
     def _partials(self, now_ns: int) -> list[Request]:
         """Partly prefilled prompts, oldest first, or in ``deadline_order`` where they have TTFT targets."""
@@ -624,9 +628,14 @@ class Scheduler:
 
     def _keeps_deadlines(self) -> bool:
         """Has any queued prompt a TTFT target (the server's, or its own)?"""
-        return bool(self.config.ttft_slo_ms) or any(
-            r.ttft_slo_ms for r in self.requests.values() if r.status != RequestStatus.DECODING
-        )
+        return bool(self.config.ttft_slo_ms) or self._queued_with_targets > 0
+
+    def _set_status(self, req: Request, status: RequestStatus) -> None:
+        """Every change of a known request's status goes through here, so the count
+        of queued prompts with TTFT targets stays true without a scan."""
+        if req.ttft_slo_ms and req.request_id in self.requests:
+            self._queued_with_targets += queued(status) - queued(req.status)
+        req.status = status
 
     def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
         """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
@@ -748,7 +757,7 @@ class Scheduler:
         else:
             tl.stalled.append(stalled)
         tl.token_ns.append(now_ns)
-        req.status = RequestStatus.DECODING
+        self._set_status(req, RequestStatus.DECODING)
 
     def _end_reason(self, req: Request, token: int) -> FinishReason | None:
         """Does req end with ``token``, its latest one?"""
@@ -758,3 +767,8 @@ class Scheduler:
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def queued(status: RequestStatus) -> bool:
+    """Waiting for admission (a preempted decode too) or prefilling."""
+    return status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
