@@ -33,7 +33,15 @@ log = logging.getLogger("stallfree.kernels")
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("attention.cpp", "dot_gemm.cpp", "elementwise.cpp", "gemm.cpp", "roofline.cpp", "screen.cpp")
+    for name in (
+        "attention.cpp",
+        "brgemm.cpp",
+        "dot_gemm.cpp",
+        "elementwise.cpp",
+        "gemm.cpp",
+        "roofline.cpp",
+        "screen.cpp",
+    )
 ]
 
 # instruction set -> (flags it needs in /proc/cpuinfo, compiler flags); best first
