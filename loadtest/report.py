@@ -21,20 +21,16 @@ from tqdm import tqdm
 from stallfree.core.analysis.traces import read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.tokenizer import Tokenizer
-from stallfree.loadtest.generator import (
+from stallfree.loadtest.clients import OpenAITarget, Result, StallfreeTarget, Target
+from stallfree.loadtest.runner import QueueWaitProbe, run_jobs
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import (
     Arrival,
-    OpenAITarget,
     PromptMaker,
-    QueueWaitProbe,
-    Result,
-    StallfreeTarget,
-    Target,
     WordPrompts,
     arrivals,
     interference_jobs,
     prompt_lengths,
-    run_jobs,
-    summarize,
     trace_jobs,
 )
 

@@ -139,7 +139,7 @@ def test_unreachable_target_is_a_clear_error():
 
 def test_prompts_are_unique_across_runs_with_the_same_seed():
     from stallfree.core.model.embedded import load_tokenizer
-    from stallfree.loadtest.generator import PromptMaker
+    from stallfree.loadtest.workloads import PromptMaker
 
     tok = load_tokenizer()
     a, b = PromptMaker(tok, seed=0), PromptMaker(tok, seed=0)
@@ -168,7 +168,10 @@ def test_results_go_to_new_dated_files(tmp_path, monkeypatch):
 def test_jobs_past_the_deadline_are_cancelled_and_count_as_errors():
     import asyncio
 
-    from stallfree.loadtest.generator import Arrival, Result, run_jobs, summarize
+    from stallfree.loadtest.clients import Result
+    from stallfree.loadtest.runner import run_jobs
+    from stallfree.loadtest.stats import summarize
+    from stallfree.loadtest.workloads import Arrival
 
     class Slow:
         async def run(self, job, t0):

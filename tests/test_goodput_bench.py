@@ -9,8 +9,10 @@ from typing import Any
 import httpx
 
 from stallfree.core.analysis.capacity_search import SLO, Goodput, Search, Trial, search, trial_from
-from stallfree.loadtest.generator import Arrival, OpenAITarget, Result, summarize
+from stallfree.loadtest.clients import OpenAITarget, Result
 from stallfree.loadtest.report import _extras
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import Arrival
 
 
 def result(sent_s: float, first_s: float, gaps_ms: list[float], **kw: Any) -> Result:

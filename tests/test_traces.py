@@ -17,7 +17,7 @@ from stallfree.core.analysis.traces import Replay, TraceRequest, prompt_ids, rea
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.timings import percentile
-from stallfree.loadtest.generator import WordPrompts, trace_jobs
+from stallfree.loadtest.workloads import WordPrompts, trace_jobs
 
 TRACES = Path(__file__).resolve().parent.parent / "bench" / "traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"

@@ -25,7 +25,7 @@ from stallfree.core.sched.config import SchedulerConfig
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.handoff import KvHandoff
 from stallfree.core.sched.request import Request, SamplingParams
-from stallfree.loadtest.generator import PromptMaker
+from stallfree.loadtest.workloads import PromptMaker
 
 PROMPTS = (40, 300, 1000, 1999, 2000, 2500)  # tokens: within a block, one chunk, several; block edges
 

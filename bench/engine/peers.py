@@ -41,7 +41,9 @@ import torch
 from bench.record import dated, describe, machine, table
 from bench.servers import ROOT
 from stallfree.core.model.model_runner import resolve_dtype
-from stallfree.loadtest.generator import Arrival, PromptMaker, Result, summarize
+from stallfree.loadtest.clients import Result
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import Arrival, PromptMaker
 
 OPENVINO = ROOT / "bench" / "peers" / "openvino"
 SCENARIOS = ("decode8", "decode32", "interference")

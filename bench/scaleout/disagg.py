@@ -46,7 +46,9 @@ from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.tokenizer import Tokenizer
 from stallfree.core.sched.config import CacheConfig, Chunking, SchedulerConfig
 from stallfree.core.sched.timings import percentile
-from stallfree.loadtest.generator import Arrival, PromptMaker, Result, StallfreeTarget, run_jobs
+from stallfree.loadtest.clients import Result, StallfreeTarget
+from stallfree.loadtest.runner import run_jobs
+from stallfree.loadtest.workloads import Arrival, PromptMaker
 
 BUDGET = 256
 COMMON = ("--threads", "1", "--kv-cache-gib", "1", "--max-model-len", "4096", "--token-budget", str(BUDGET))

@@ -31,7 +31,7 @@ from websockets.asyncio.client import connect
 from bench.gateway.gateway_load import run_load
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
-from stallfree.loadtest.generator import WORDS
+from stallfree.loadtest.workloads import WORDS
 
 REPLICAS = ("--replicas", "2", "--stats-period-s", "0.5")
 

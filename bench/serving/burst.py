@@ -22,7 +22,10 @@ import httpx
 from bench.record import dated, table
 from bench.servers import StallfreeServer
 from stallfree.core.model.embedded import load_tokenizer
-from stallfree.loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
+from stallfree.loadtest.clients import StallfreeTarget
+from stallfree.loadtest.runner import run_jobs
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import Arrival, PromptMaker
 
 
 def main() -> None:

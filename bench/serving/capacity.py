@@ -73,17 +73,11 @@ from stallfree.core.model.tokenizer import Tokenizer
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.cost import IterationCost
 from stallfree.gateway.observe.metrics import LATENCY_BUCKETS
-from stallfree.loadtest.generator import (
-    Arrival,
-    OpenAITarget,
-    PromptMaker,
-    Result,
-    WordPrompts,
-    run_jobs,
-    summarize,
-    trace_jobs,
-)
+from stallfree.loadtest.clients import OpenAITarget, Result
 from stallfree.loadtest.report import replay_jobs
+from stallfree.loadtest.runner import run_jobs
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import Arrival, PromptMaker, WordPrompts, trace_jobs
 
 MODEL_DIR = VLLM / "smollm2-hf"
 TRACES = ROOT / "bench" / "traces"

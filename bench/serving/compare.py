@@ -38,15 +38,10 @@ from bench.record import OUT, dated, describe, machine, table
 from bench.servers import VLLM, StallfreeServer, free_port, start_vllm, stop
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.model_runner import resolve_dtype
-from stallfree.loadtest.generator import (
-    Arrival,
-    OpenAITarget,
-    PromptMaker,
-    StallfreeTarget,
-    interference_jobs,
-    run_jobs,
-    summarize,
-)
+from stallfree.loadtest.clients import OpenAITarget, StallfreeTarget
+from stallfree.loadtest.runner import run_jobs
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import Arrival, PromptMaker, interference_jobs
 
 MODEL_DIR = VLLM / "smollm2-hf"
 

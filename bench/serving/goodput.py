@@ -84,7 +84,8 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.request import FinishReason
 from stallfree.core.sched.timings import RequestTimings, judge
-from stallfree.loadtest.generator import OpenAITarget, summarize
+from stallfree.loadtest.clients import OpenAITarget
+from stallfree.loadtest.stats import summarize
 
 TTFT_SLO_MS = 2000.0
 GOODPUT = Goodput(0.9)

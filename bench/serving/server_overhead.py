@@ -112,7 +112,9 @@ async def through_server(url: str, streams: int, crowd: int) -> dict[str, float]
 
 async def through_openai(url: str, streams: int) -> dict[str, float]:
     """N streams decoding together over the OpenAI SSE API: the client's gaps."""
-    from stallfree.loadtest.generator import Arrival, OpenAITarget, run_jobs
+    from stallfree.loadtest.clients import OpenAITarget
+    from stallfree.loadtest.runner import run_jobs
+    from stallfree.loadtest.workloads import Arrival
 
     jobs = [Arrival(0.0, f"{i}: {PROMPT}", MAX_TOKENS) for i in range(streams)]
     results = await run_jobs(OpenAITarget(url + "/v1", "stallfree"), jobs)

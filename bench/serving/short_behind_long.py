@@ -24,7 +24,10 @@ import httpx
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from stallfree.core.model.embedded import load_tokenizer
-from stallfree.loadtest.generator import Arrival, PromptMaker, StallfreeTarget, run_jobs, summarize
+from stallfree.loadtest.clients import StallfreeTarget
+from stallfree.loadtest.runner import run_jobs
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import Arrival, PromptMaker
 
 MODES = {"short first": 0, "off (oldest partial first)": 1 << 20}  # long_prefill_tokens
 

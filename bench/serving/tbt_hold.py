@@ -45,7 +45,7 @@ from stallfree.core.analysis.traces import read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.model_runner import resolve_dtype
 from stallfree.core.sched.timings import percentile
-from stallfree.loadtest.generator import Arrival, WordPrompts, trace_jobs
+from stallfree.loadtest.workloads import Arrival, WordPrompts, trace_jobs
 
 Token = tuple[int, int, int]  # emit, sent, received (ns)
 STEAL_EVERY_S = 0.1

@@ -31,8 +31,10 @@ from bench.servers import StallfreeServer
 from bench.serving.capacity import DRAIN_S, MODEL_DIR, TRACE_SPECS, TraceSpec, wait_idle
 from stallfree.core.analysis.traces import read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
-from stallfree.loadtest.generator import OpenAITarget, WordPrompts, summarize, trace_jobs
+from stallfree.loadtest.clients import OpenAITarget
 from stallfree.loadtest.report import replay_jobs
+from stallfree.loadtest.stats import summarize
+from stallfree.loadtest.workloads import WordPrompts, trace_jobs
 
 TBT_BUDGET = 512  # with the target: the engine's default (see bench.serving.capacity)
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
