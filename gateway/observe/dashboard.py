@@ -1,5 +1,9 @@
 """The dashboard: static files from ``web/`` and the ``/ws/telemetry`` feed.
 
+The files are package data of ``stallfree`` (``stallfree/web``: in a checkout
+a link to the top-level ``web/``, in the wheel the files), found through the
+package, so an installed wheel serves the dashboard as a checkout does.
+
 One broadcaster task builds a telemetry frame at most ten times a second
 while anybody watches and hands it to every dashboard socket; a dashboard
 that cannot keep up simply misses frames.
@@ -14,11 +18,12 @@ import orjson
 from anyio.streams.memory import MemoryObjectSendStream
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+import stallfree
 from stallfree.gateway.edge.ws_auth import accept
 from stallfree.gateway.engine.client import EngineClient
 from stallfree.gateway.observe.telemetry import FRAMES_PER_S
 
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"  # the checkout: web/ beside gateway/
+WEB_DIR = Path(stallfree.__file__).parent / "web"
 
 
 class TelemetryHub:
