@@ -8,8 +8,10 @@ nothing here) with ``--running`` requests decoding and ``--waiting`` more
 queued behind them (``max_num_seqs`` = the running count, so none is
 admitted while the others decode); each step's ``Scheduler.schedule`` is
 timed, for every policy, without and with a TTFT target (the deadline
-order). Medians and the slowest of ``--steps`` iterations after two warm-up
-steps, wall time on this process's thread. Writes a new
+order), and so is the step's ``Engine.counts`` (what the snapshot carries
+after each iteration: with TTFT targets, admission's forecast of the queue).
+Medians and the slowest of ``--steps`` iterations after two warm-up steps,
+wall time on this process's thread. Writes a new
 bench/results/scheduling_cost-<date>.{json,md}.
 """
 
@@ -53,11 +55,12 @@ def build(policy: Policy, ttft_slo_ms: float, running: int, waiting: int) -> Eng
     return engine
 
 
-def timed(engine: Engine, steps: int) -> list[float]:
-    """Each step's ``schedule`` call, seconds."""
+def timed(engine: Engine, steps: int) -> tuple[list[float], list[float]]:
+    """Each step's ``schedule`` and ``counts`` calls, seconds."""
     sched = engine.scheduler
-    schedule = sched.schedule
+    schedule, counts = sched.schedule, engine.counts
     spent: list[float] = []
+    counted: list[float] = []
 
     def measured(now_ns: int):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
@@ -66,10 +69,18 @@ def timed(engine: Engine, steps: int) -> list[float]:
         finally:
             spent.append(time.perf_counter() - start)
 
+    def measured_counts():  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        try:
+            return counts()
+        finally:
+            counted.append(time.perf_counter() - start)
+
     sched.schedule = measured  # type: ignore[method-assign]
+    engine.counts = measured_counts  # type: ignore[method-assign]
     for _ in range(steps + 2):
         engine.step()
-    return spent[2:]
+    return spent[2:], counted[2:]
 
 
 def main() -> None:
@@ -85,7 +96,7 @@ def main() -> None:
             for n in waiting:
                 engine = build(policy, ttft, args.running, n)
                 assert len(engine.scheduler.running) == args.running and len(engine.scheduler.waiting) == n
-                spent = timed(engine, args.steps)
+                spent, counted = timed(engine, args.steps)
                 rows.append(
                     {
                         "policy": policy.value,
@@ -93,6 +104,8 @@ def main() -> None:
                         "waiting": n,
                         "median_ms": statistics.median(spent) * 1e3,
                         "max_ms": max(spent) * 1e3,
+                        "counts_median_ms": statistics.median(counted) * 1e3,
+                        "counts_max_ms": max(counted) * 1e3,
                     }
                 )
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -104,14 +117,24 @@ def main() -> None:
         "# One iteration's scheduling with many requests waiting",
         "",
         f"`{command}` on {describe(m)}; {args.running} requests decoding, the rest waiting; "
-        f"`Scheduler.schedule` per iteration, median and slowest of {args.steps} [ms].",
+        f"`Scheduler.schedule` per iteration, median and slowest of {args.steps} [ms]; "
+        "beside it the step's `Engine.counts` (admission's forecast, under a TTFT target).",
         "",
     ]
     cells = [
-        [r["policy"], "on" if r["ttft_slo_ms"] else "off", r["waiting"], f"{r['median_ms']:.2f}", f"{r['max_ms']:.2f}"]
+        [
+            r["policy"],
+            "on" if r["ttft_slo_ms"] else "off",
+            r["waiting"],
+            f"{r['median_ms']:.2f}",
+            f"{r['max_ms']:.2f}",
+            f"{r['counts_median_ms']:.2f}",
+            f"{r['counts_max_ms']:.2f}",
+        ]
         for r in rows
     ]
-    lines += table(["policy", "TTFT target", "waiting", "median ms", "slowest ms"], cells, "llrrr")
+    header = ["policy", "TTFT target", "waiting", "median ms", "slowest ms", "counts median ms", "counts slowest ms"]
+    lines += table(header, cells, "llrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
