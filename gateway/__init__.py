@@ -3,7 +3,8 @@
 A request's way through it, folder by folder:
 
 - ``edge/``: what a client meets before any handler: connection and frame
-  limits, API keys and origins, per-tenant token rates.
+  limits (``connections``; the WebSocket protocol under uvicorn, ``ws_protocol``),
+  API keys and origins, per-tenant token rates.
 - ``inputs/``: a client's JSON checked into one ``GenerateRequest`` (prompt,
   sampling, tools, ``response_format``), whichever protocol it came by.
 - ``engine/``: the seam to the engine: admission (where a request is let in
@@ -17,6 +18,6 @@ A request's way through it, folder by folder:
   piece as a frame).
 - ``observe/``: everything that watches: the observer interface, Prometheus
   metrics, OpenTelemetry spans, the dashboard's telemetry, the logs.
-- ``app.py`` (routes), ``server.py`` (``stallfree serve``: uvicorn and its
-  protocols), ``settings.py`` (limits and security settings).
+- ``app.py`` (routes), ``server.py`` (``stallfree serve``: uvicorn with
+  those protocols, draining on shutdown), ``settings.py`` (limits and security settings).
 """

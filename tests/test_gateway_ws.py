@@ -14,7 +14,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.protocol import Protocol, Side, State
 
 from bench.servers import StallfreeServer
-from stallfree.gateway.server import text_frame_header
+from stallfree.gateway.edge.ws_protocol import text_frame_header
 from stallfree.gateway.settings import GatewaySettings
 from tests.server import sim_server, tiny_server
 from tests.wsclient import check_stream, collect, recv, send
