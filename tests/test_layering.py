@@ -154,6 +154,7 @@ def test_the_check_catches_torch_added_to_the_scheduler(tmp_path: Path):
 PROGRESS = {"num_computed_tokens", "status", "finish_reason", "output_token_ids"}
 PROGRESS_WRITERS = {
     "core/sched/scheduler.py": "the scheduler",
+    "core/sched/append.py": "the scheduler's appending of drawn tokens (Scheduler.update calls it, nothing else)",
     "core/analysis/profiler.py": "requests built only to time the runner, never scheduled",
     "scaleout/remote.py": "the gateway's stand-in for engines on replicas ends what a lost replica held",
 }

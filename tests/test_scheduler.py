@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from stallfree.core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
+from stallfree.core.sched import scheduler as scheduler_module
 from stallfree.core.sched.config import SchedulerConfig
 from stallfree.core.sched.engine import check_request
 from stallfree.core.sched.request import RequestStatus
@@ -40,13 +41,16 @@ def test_decodes_first_then_partial_then_new_within_budget():
     assert items[3] == ("new", 16, True)
 
 
-def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk():
+def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk(monkeypatch):
     # Without a per-chunk limit a partial prefill takes all leftover budget, so
     # at most one exists; with one (dynamic chunking, a TBT target; here a
-    # fixed 10 tokens) several can, and the cap bounds them.
+    # fixed 10 tokens in place of the budget's rule) several can, and the cap bounds them.
+    class TenAtMost:
+        def chunk(self, batch, prefix, pending, left):
+            return min(10, pending, left), False
+
+    monkeypatch.setattr(scheduler_module, "BUDGET", TenAtMost())
     e = sim_engine(token_budget=40, max_num_seqs=8, max_partial_prefills=2)
-    chunk = e.scheduler._chunk
-    e.scheduler._chunk = lambda *args: min(10, chunk(*args))
     for rid in ("long1", "long2", "long3"):
         e.add_request(request(rid, 100))
     e.add_request(request("short", 3))

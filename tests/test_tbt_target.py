@@ -212,7 +212,7 @@ def test_the_aim_sizes_to_the_gap_decodes_got_not_to_the_prediction():
         it = e.step().iteration
         assert it.decode_tokens == 4
         missed.append(it.target_missed)
-    assert e.scheduler.aim == pytest.approx(1 / 1.2)
+    assert e.scheduler.aim.value == pytest.approx(1 / 1.2)
     assert "prediction" in missed[:16]  # learning
     assert set(missed[16:]) == {None}
     e.reconfigure({"tbt_slo_ms": 80.0})  # the ratio holds whatever the target
@@ -240,7 +240,7 @@ def test_the_aim_counts_an_iteration_once_per_decode_as_the_slos_p99_counts_toke
                 e.add_request(request(f"s{i}-{j}", 4, max_tokens=2))
         crowded += e.step().iteration.decode_tokens >= 10
     assert crowded == 3
-    assert e.scheduler.aim == pytest.approx(1 / 1.25)
+    assert e.scheduler.aim.value == pytest.approx(1 / 1.25)
 
 
 def test_a_weighted_percentile_counts_each_value_as_often_as_its_weight():

@@ -65,6 +65,10 @@ class Batch:
     over_target: str | None = None
     drafts_declined: int = 0  # decodes with draft tokens proposed that the cost model said would not pay
 
+    def run_over(self, reason: str) -> None:
+        """Record why the iteration's predicted time may exceed its target; the first reason stands."""
+        self.over_target = self.over_target or reason
+
     @property
     def num_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items)

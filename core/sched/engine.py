@@ -305,7 +305,7 @@ class Engine:
             accepted_tokens=sum(new.draft for new in emitted),
             drafts_declined=batch.drafts_declined,
             tbt_slo_ms=s.config.tbt_slo_ms,
-            tbt_aim=s.aim,
+            tbt_aim=s.aim.value,
             predicted_ns=int(batch.predicted_s * 1e9),
             correction=self.cost.correction(bool(batch.prefill_tokens)) if self.cost is not None else 1.0,
             target_missed=missed,

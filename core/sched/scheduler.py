@@ -47,12 +47,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 
 from stallfree.core import faults
-from stallfree.core.sched.batch import Batch, Item, Logprobs, NewToken, Sampled
+from stallfree.core.sched.aim import Aim
+from stallfree.core.sched.append import append
+from stallfree.core.sched.batch import Batch, Item, NewToken, Sampled
 from stallfree.core.sched.block_manager import Admitted, BlockManager
+from stallfree.core.sched.chunk_rule import BUDGET, WHOLE, ChunkRule
 from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.deadline import Forecast, Pace, Place, deadline_ns, slack_s
@@ -60,23 +63,11 @@ from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted
 from stallfree.core.sched.handoff import KvImport
 from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
+from stallfree.core.sched.stalls import PrefillLog
 from stallfree.core.sched.time_limit import TimeLimit
-from stallfree.core.sched.timings import weighted_percentile
 from stallfree.core.sched.waiting import WaitingQueue
 
 SHORT_SHARE = 0.75  # of the leftover budget (or target time) short prompts may use while a long one waits
-# The TBT target's aim: iterations are sized to aim x target, where the aim is 1 over the
-# AIM_PERCENTILE of (the gap decodes got) / (the iteration's predicted time) over the last
-# AIM_WINDOW iterations sized to a target, weighted by their decodes (the percentile is over
-# tokens, as the SLO's is): the prediction's error, the loop's own time between iterations
-# and the machine's noise, as a ratio, so it holds whatever the target. 99.9, not the SLO's
-# 99: a trial's P99 over 2,000 gaps is its one or two worst crowded iterations'. Measured
-# (bench/results/before_after-2026-12-03, 2-core Zen 4, Azure at 13 req/s, 228 ms): measured
-# / predicted ran p99 1.2-1.46 and max 1.27-1.75 per 200 iterations, and the two aims met the
-# target in 5 trials of 6 each: outliers that rare no recent percentile foresees.
-AIM_PERCENTILE = 99.9
-AIM_WINDOW = 256
-AIM_FLOOR = 0.5
 
 
 class ScheduleFailed(RuntimeError):
@@ -101,10 +92,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.cost = cost  # predicts iteration times: the TBT target, dynamic chunking and drafts need it
         self.drafter = drafter or NgramDrafter()
-        self.aim = 1.0  # the fraction of the TBT target iterations are sized to
-        # (gap / predicted time, decodes), recent targeted iterations
-        self._gap_ratios: deque[tuple[float, int]] = deque(maxlen=AIM_WINDOW)
-        self._last_end_ns: int | None = None  # the previous iteration's end
+        self.aim = Aim()  # what fraction of the TBT target iterations are sized to
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
@@ -117,8 +105,7 @@ class Scheduler:
         self._active: Counter[str] = Counter()  # tenant -> its requests in the engine
         self._iteration = 0
         self._finished: list[str] = []  # requests ended since the last batch: the next one names them
-        # recent iterations that ran prefill chunks: (iteration, ids of the requests chunked)
-        self._prefill_log: deque[tuple[int, frozenset[str]]] = deque(maxlen=4096)
+        self._prefills = PrefillLog()  # who recent iterations chunked: stall attribution
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -229,42 +216,53 @@ class Scheduler:
             # frozen batch: whole prompts in an iteration of their own, with
             # vLLM V0's rule that the batch cap is at least the context length
             cap = max(budget, self.config.max_model_len)
-            left = self._prefill_running(batch, cap, None, self._partials(now_ns), whole=True)
-            self._admit(batch, left, None, self._to_admit(now_ns), whole=True)
+            left = self._prefill_running(batch, cap, WHOLE, self._partials(now_ns))
+            self._admit(batch, left, WHOLE, self._to_admit(now_ns))
             if not batch.items:
                 self._draft(batch, self._decode(batch, budget), None)
             return
         left = self._decode(batch, budget)  # pass 1
+        self._set_target(batch)
         limit = self._time_limit(batch)
         if self.cost is not None and self._keeps_deadlines():
-            tokens = self._iteration_tokens(batch, left, limit) if batch.target_s else max(1, left)
-            self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
+            self._set_pace(batch, left, limit)
         if mode == Chunking.STALL_FREE and self._keeps_deadlines():  # passes 2 and 3
             left = self._prefill_by_deadline(batch, left, now_ns, limit)
         elif mode == Chunking.STALL_FREE:
             left = self._prefill(batch, left, now_ns, limit)
         else:  # decode_first, as FasterTransformer had it: no new prompt while anybody decodes
-            shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
+            shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else BUDGET
             left = self._prefill_running(batch, left, shared, self._partials(now_ns))
             if not any(r.status == RequestStatus.DECODING for r in self.running):
                 left = self._admit(batch, left, shared, self._to_admit(now_ns))
         self._draft(batch, left, limit)  # pass 4
 
+    def _set_target(self, batch: Batch) -> None:
+        """Once its decodes are placed: record on the batch the TBT target it is sized
+        to (while it holds decodes and a cost model predicts), and whether they alone fill it."""
+        cfg, cost = self.config, self.cost
+        if cost is None or not cfg.tbt_slo_ms or not batch.items:
+            return
+        batch.target_s = cfg.tbt_slo_ms / 1e3
+        if cost.iteration_s(*batch.shape()) > batch.target_s:
+            batch.run_over("decodes")
+
     def _time_limit(self, batch: Batch) -> TimeLimit | None:
-        """The limits on the iteration's time once its decodes are placed (None: none
-        applies): dynamic chunking's level, and the TBT target (x the aim) while it
-        holds decodes; the batch records that target and whether they alone fill it."""
+        """The limits on the iteration's time (None: none applies): dynamic chunking's
+        level, and the batch's TBT target x the aim."""
         cfg, cost = self.config, self.cost
         if cost is None:
             return None
         level_s = cost.iteration_s([], [(0, cfg.token_budget)]) if cfg.dynamic_chunking else None
-        target_s = None
-        if cfg.tbt_slo_ms and batch.items:
-            batch.target_s = cfg.tbt_slo_ms / 1e3
-            if cost.iteration_s(*batch.shape()) > batch.target_s:
-                batch.over_target = "decodes"
-            target_s = batch.target_s * self.aim
+        target_s = batch.target_s * self.aim.value if batch.target_s else None
         return TimeLimit(cost, target_s, level_s) if target_s is not None or level_s is not None else None
+
+    def _set_pace(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
+        """The prefill pace of this iteration, which slack and admission's forecast read:
+        the tokens one iteration takes of a prompt beside these decodes, and its time."""
+        assert self.cost is not None
+        tokens = self._iteration_tokens(batch, left, limit) if batch.target_s else max(1, left)
+        self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one token for every running decode, highest priority first;
@@ -313,18 +311,16 @@ class Scheduler:
         waits_long = self.waiting.most_pending_tokens() > long_tokens or any(map(long, partials))
         kept = min(left, max(1, left // 4)) if waits_long else 0
         long_floor = max(1, floor // 4) if waits_long else 0
-        first = limit.shared(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor) if limit else None
+        first = limit.shared(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor) if limit else BUDGET
         short_left = self._prefill_running(batch, left - kept, first, [r for r in self._partials(now_ns) if short(r)])
         oldest_ns = self.waiting.oldest_arrival_ns()
-        if oldest_ns is not None and oldest_ns < now_ns - self.config.max_defer_s * 1e9:
-            rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
-            left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
-            return self._admit(batch, left, rest, self._to_admit(now_ns))
-        ordered = self._to_admit(now_ns)
-        short_left = self._admit(batch, short_left, first, [r for r in ordered if short(r)])
-        rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else None
+        overdue = oldest_ns is not None and oldest_ns < now_ns - self.config.max_defer_s * 1e9
+        if not overdue:  # short prompts are admitted before long partials run
+            ordered = self._to_admit(now_ns)
+            short_left = self._admit(batch, short_left, first, [r for r in ordered if short(r)])
+        rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else BUDGET
         left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
-        return self._admit(batch, left, rest, [r for r in ordered if long(r)])
+        return self._admit(batch, left, rest, self._to_admit(now_ns) if overdue else [r for r in ordered if long(r)])
 
     def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
         """Passes 2 and 3 under TTFT targets: the TBT target still sizes the
@@ -343,7 +339,7 @@ class Scheduler:
         to go on from them when its turn comes (unless they are evicted first). So another key's long prompts, due
         later or late, cannot keep it waiting for their slots; the starvation
         ceiling still bounds how long any prompt waits."""
-        shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else None
+        shared = limit.shared(batch, 1.0, self.config.prefill_floor) if limit else BUDGET
         slack = self._slack(now_ns)
         assert slack is not None
         admitting = True
@@ -404,14 +400,14 @@ class Scheduler:
             return self.config.token_budget
         return max(limit.fit(batch, 0, left, limit.target_s), self.config.prefill_floor)
 
-    def _prefill_running(
-        self, batch: Batch, left: int, limit: TimeLimit | None, partials: list[Request], whole: bool = False
-    ) -> int:
+    def _prefill_running(self, batch: Batch, left: int, rule: ChunkRule, partials: list[Request]) -> int:
         """Pass 2: the next chunk of each of ``partials`` (partly prefilled prompts), in that order."""
         for req in partials:
             if left == 0:
                 break
-            n = self._chunk(batch, req, req.num_pending_tokens, left, limit, whole)
+            n, over = rule.chunk(batch, req.num_computed_tokens, req.num_pending_tokens, left)
+            if over:
+                batch.run_over("floor")
             if n == 0:
                 continue
             if not self._allocate(batch, req, n):  # admission reserved the whole prompt
@@ -424,9 +420,8 @@ class Scheduler:
         self,
         batch: Batch,
         left: int,
-        limit: TimeLimit | None,
+        rule: ChunkRule,
         ordered: list[Request],
-        whole: bool = False,
         make_room: Callable[[Request], bool] | None = None,
     ) -> int:
         """Pass 3: admit from ``ordered`` (waiting requests in policy order).
@@ -451,7 +446,9 @@ class Scheduler:
                 continue
             head = self._prompt_source(req)
             pending = 1 if head is not None else req.num_tokens - self.kv.cached_prefix_tokens(req)
-            n = self._chunk(batch, req, pending, left, limit, whole)
+            n, over = rule.chunk(batch, req.num_tokens - pending, pending, left)
+            if over:
+                batch.run_over("floor")
             if n == 0:
                 break
             if n < pending and partial >= cfg.max_partial_prefills:
@@ -510,19 +507,6 @@ class Scheduler:
         """Is that request (a sibling choice) still waiting for or computing its prompt?"""
         head = self.requests.get(request_id) if request_id is not None else None
         return head is not None and head.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
-
-    def _chunk(self, batch: Batch, req: Request, pending: int, left: int, limit: TimeLimit | None, whole: bool) -> int:
-        """How many of req's ``pending`` tokens run now: what the budget leaves, cut
-        to the pass's share of the iteration's time limits (``TimeLimit.chunk``)."""
-        if whole:
-            return pending if pending <= left else 0
-        n = min(pending, left)
-        if limit is None or n == 0:
-            return n
-        n, over = limit.chunk(batch, req.num_tokens - pending, n)
-        if over:  # the floor keeps prefill moving past the target
-            batch.over_target = batch.over_target or "floor"
-        return n
 
     def _draft(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
         """Pass 4, speculative decoding: draft tokens for decodes whose context
@@ -651,18 +635,24 @@ class Scheduler:
         then the token after them). Returns the tokens in that order; a request
         that ends keeps none drawn after its end."""
         faults.point("update")
-        self._learn_aim(batch, start_ns, end_ns)
-        self._log_prefill(batch)
+        self.aim.learn(batch, start_ns, end_ns)
+        self._prefills.record(batch)
         emitted: list[NewToken] = []
         for item, new, logprobs in sampled.per_item(batch.items):
             req = item.request
             if item.drafts:
                 self._verified(item, len(new) - 1)
             self._record_times(item, batch.iteration, start_ns, end_ns)
-            stalled = self._overlapped_prefill(req, batch.iteration) if new else False
-            tokens, reason = self._append(req, new, logprobs, stalled, end_ns)
+            stalled = False
+            if new:
+                since, req.last_token_iteration = req.last_token_iteration, batch.iteration
+                # a gap, stretched by another's prefill since req's previous token (the first token has no gap)
+                stalled = req.timeline.first_token_ns is not None and self._prefills.overlapped(req.request_id, since)
+            tokens, reason = append(req, new, logprobs, stalled, end_ns, self.eos_token_ids, self.config.max_model_len)
+            if tokens:
+                self._set_status(req, RequestStatus.DECODING)
             emitted += tokens
-            computed = self._computed(item, len(tokens))
+            computed = self._advance(item, len(tokens))
             self.served[req.tenant] = self.served.get(req.tenant, 0) + computed  # the fair policy's counter
             self.kv.cache_computed(req, item.start)  # its full blocks join the prefix cache
             if reason is not None:
@@ -686,23 +676,7 @@ class Scheduler:
         if item.is_prefill:
             tl.chunks.append(Chunk(iteration, start_ns, end_ns, item.num_tokens, item.start))
 
-    def _append(
-        self, req: Request, new: list[int], logprobs: list[Logprobs] | None, stalled: bool, now_ns: int
-    ) -> tuple[list[NewToken], FinishReason | None]:
-        """Append what req drew, up to its end (what it drew after that is dropped):
-        the tokens, all but the last kept drafts, and why it ended (None: it goes on).
-        ``stalled`` is the first token's."""
-        out = []
-        for i, token in enumerate(new):
-            self._append_token(req, token, now_ns, stalled and i == 0)
-            lp = logprobs[i] if logprobs is not None else None
-            out.append(NewToken(req, token, stalled and i == 0, lp, draft=i < len(new) - 1))
-            reason = self._end_reason(req, token)
-            if reason is not None:
-                return out, reason
-        return out, None
-
-    def _computed(self, item: Item, appended: int) -> int:
+    def _advance(self, item: Item, appended: int) -> int:
         """Advance the request past what the KV now holds, and return how much that is:
         the item's own tokens and, of its drafts, the kept ones: every token appended
         but the last, which no pass has fed yet. It reads only the item (a request
@@ -711,62 +685,6 @@ class Scheduler:
         computed = item.num_tokens - len(item.drafts) + max(0, appended - 1)
         item.request.num_computed_tokens += computed
         return computed
-
-    def _learn_aim(self, batch: Batch, start_ns: int, end_ns: int) -> None:
-        """After an iteration sized within the TBT target: the gap its decodes got
-        (from the previous iteration's end when they ran back to back, else its
-        own duration) over its predicted time joins the window the aim is read
-        from, once for each of its decodes."""
-        last, self._last_end_ns = self._last_end_ns, end_ns
-        if not batch.target_s or batch.over_target is not None or batch.predicted_s <= 0:
-            return
-        back_to_back = last is not None and start_ns - last < batch.target_s * 0.1e9
-        gap_s = (end_ns - (last if back_to_back and last is not None else start_ns)) / 1e9
-        decodes = sum(not item.is_prefill for item in batch.items)
-        self._gap_ratios.append((gap_s / batch.predicted_s, decodes))
-        if len(self._gap_ratios) >= 16:
-            self.aim = max(AIM_FLOOR, min(1.0, 1.0 / weighted_percentile(self._gap_ratios, AIM_PERCENTILE)))
-
-    def _log_prefill(self, batch: Batch) -> None:
-        """Remember who batch chunked: a later token's gap is stalled if another's prefill ran in it."""
-        chunked = frozenset(item.request.request_id for item in batch.items if item.is_prefill)
-        if chunked:
-            self._prefill_log.append((batch.iteration, chunked))
-
-    def _overlapped_prefill(self, req: Request, iteration: int) -> bool:
-        """Did another request's prefill run after req's previous token, up to now?
-
-        In stall_free mode that is a chunk in this very iteration; unchunked, it
-        is the whole-prompt iteration the decodes sat out.
-        """
-        since, req.last_token_iteration = req.last_token_iteration, iteration
-        if req.timeline.first_token_ns is None:
-            return False  # first token: no gap yet
-        for it, ids in reversed(self._prefill_log):
-            if it <= since:
-                return False
-            if len(ids) > (req.request_id in ids):
-                return True
-        return False
-
-    def _append_token(self, req: Request, token: int, now_ns: int, stalled: bool) -> None:
-        req.output_token_ids.append(token)
-        tl = req.timeline
-        if tl.first_token_ns is None:
-            tl.first_token_ns = now_ns
-        else:
-            tl.stalled.append(stalled)
-        tl.token_ns.append(now_ns)
-        self._set_status(req, RequestStatus.DECODING)
-
-    def _end_reason(self, req: Request, token: int) -> FinishReason | None:
-        """Does req end with ``token``, its latest one?"""
-        sp = req.sampling
-        if token in sp.stop_token_ids or (token in self.eos_token_ids and not sp.ignore_eos):
-            return FinishReason.STOP
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
 
 def queued(status: RequestStatus) -> bool:

@@ -41,11 +41,15 @@ class TimeLimit:
         so_far_s = self.cost.iteration_s(*batch.shape())
         return replace(self, so_far_s=so_far_s, share=share, owed_until=batch.prefill_tokens + max(0, floor))
 
-    def chunk(self, batch: Batch, prefix: int, n: int) -> tuple[int, bool]:
-        """How many of n tokens after ``prefix`` the pass places: the most that keep the
-        whole iteration (its decodes, the chunks so far, this one) within its share of
-        the level, then of the TBT target, but what the floor still owes whatever the
-        time; and whether the floor took it past the target."""
+    def chunk(self, batch: Batch, prefix: int, pending: int, left: int) -> tuple[int, bool]:
+        """How many of ``pending`` tokens after ``prefix`` the pass places (a
+        ``core.sched.chunk_rule.ChunkRule``): of what the budget ``left`` allows, the
+        most that keep the whole iteration (its decodes, the chunks so far, this one)
+        within its share of the level, then of the TBT target, but what the floor still
+        owes whatever the time; and whether the floor took it past the target."""
+        n = min(pending, left)
+        if n == 0:
+            return 0, False
         owed = self.owed_until - batch.prefill_tokens
         if self.level_s is not None:
             n = max(self.fit(batch, prefix, n, self._up_to(self.level_s)), min(n, owed))
