@@ -388,7 +388,9 @@ def test_fair_policy_serves_the_tenant_with_the_fewest_tokens_first():
     late = request("polite", 20, max_tokens=1, arrival_ns=10)
     late.tenant = "polite"
     e.add_request(late)  # three flood prompts were waiting before it
-    assert e.scheduler.served["polite"] == e.scheduler.served["flood"]  # lifted: idle time banks no credit
+    assert (
+        e.scheduler.tenants.served["polite"] == e.scheduler.tenants.served["flood"]
+    )  # lifted: idle time banks no credit
     finished = [o.request_id for out in run_to_completion(e) for o in out.outputs if o.finish_reason]
     assert finished == ["flood1", "polite", "flood2", "flood3"]  # the tie went to the older prompt, then polite
 

@@ -97,7 +97,7 @@ def test_the_starvation_ceiling_overtakes_all_but_prompts_that_can_make_their_ta
         r = request(rid, n, arrival_ns=at_ms * MS)
         r.ttft_slo_ms = target
         e.add_request(r)
-    waiting, served = e.scheduler.waiting, e.scheduler.served
+    waiting, served = e.scheduler.waiting, e.scheduler.tenants.served
 
     def order(now_ns: int) -> list[str]:
         return [r.request_id for r in order_waiting(waiting, Policy.SJF, now_ns, 0.5, len, served, slack)]

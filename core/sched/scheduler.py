@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 from collections.abc import Callable
 
 from stallfree.core import faults
@@ -60,6 +59,7 @@ from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Specu
 from stallfree.core.sched.cost import IterationCost
 from stallfree.core.sched.deadline import Forecast, Pace, Place, deadline_ns, slack_s
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
+from stallfree.core.sched.fairness import TenantCounters
 from stallfree.core.sched.handoff import KvImport
 from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
@@ -100,9 +100,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_added = 0  # requests ever given (the gateway counts those it sent since a forecast)
         self.pace: Pace | None = None  # the prefill pace of the latest iteration with deadlines to keep
-        # tokens computed per tenant (the fair policy's virtual token counter)
-        self.served: dict[str, int] = {}
-        self._active: Counter[str] = Counter()  # tenant -> its requests in the engine
+        self.tenants = TenantCounters()  # tokens served per tenant: the fair policy's order
         self._iteration = 0
         self._finished: list[str] = []  # requests ended since the last batch: the next one names them
         self._prefills = PrefillLog()  # who recent iterations chunked: stall attribution
@@ -114,12 +112,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.imported_tokens and req.imported_tokens != req.num_tokens - 1:
             raise ValueError("imported KV must cover every token but the last")
-        if req.tenant not in self._active:
-            # a tenant coming back starts level with the least-served active one:
-            # idle time banks no credit (VTC's counter lift)
-            floor = min((self.served.get(t, 0) for t in self._active), default=0)
-            self.served[req.tenant] = max(self.served.get(req.tenant, 0), floor)
-        self._active[req.tenant] += 1
+        self.tenants.join(req.tenant)
         if req.ttft_slo_ms is None:
             req.ttft_slo_ms = self.config.ttft_slo_ms
         req.tbt_slo_ms = self.config.tbt_slo_ms
@@ -145,9 +138,7 @@ class Scheduler:
         req.timeline.finished_ns = now_ns
         if self.requests.pop(req.request_id, None) is not None:
             self._finished.append(req.request_id)
-            self._active[req.tenant] -= 1
-            if not self._active[req.tenant]:
-                del self._active[req.tenant]
+            self.tenants.leave(req.tenant)
 
     @property
     def has_work(self) -> bool:
@@ -171,7 +162,7 @@ class Scheduler:
         if pace is None:
             return None
         cfg = self.config
-        policy, served_now = cfg.policy, self.served
+        policy, served_now = cfg.policy, self.tenants.served
         overdue_before = now_ns - cfg.max_defer_s * 1e9
         queued: list[tuple[Place, int]] = []
         for r in self.requests.values():  # once a request, each figure once: 10,000 queued cost 59 ms, not 14
@@ -188,7 +179,7 @@ class Scheduler:
             tokens = 1 if sibling and self._prompt_source(r) is not None else pending  # onto its sibling's blocks
             rank = class_rank(policy, r.priority, r.tenant, pending, served_now)
             queued.append(((rank, due if on_time and due is not None else math.inf), tokens))
-        served = {t: self.served.get(t, 0) for t in self._active} if cfg.policy == Policy.FAIR else {}
+        served = self.tenants.active() if cfg.policy == Policy.FAIR else {}
         return Forecast.of(pace, self.num_added, queued, served)
 
     # -- schedule ----------------------------------------------------------
@@ -598,7 +589,13 @@ class Scheduler:
         c = self.config
         slack = self._slack(now_ns)
         return order_waiting(
-            list(self.waiting), c.policy, now_ns, c.max_defer_s, self.kv.cached_prefix_tokens, self.served, slack
+            list(self.waiting),
+            c.policy,
+            now_ns,
+            c.max_defer_s,
+            self.kv.cached_prefix_tokens,
+            self.tenants.served,
+            slack,
         )
 
     def _partials(self, now_ns: int) -> list[Request]:
@@ -653,7 +650,7 @@ class Scheduler:
                 self._set_status(req, RequestStatus.DECODING)
             emitted += tokens
             computed = self._advance(item, len(tokens))
-            self.served[req.tenant] = self.served.get(req.tenant, 0) + computed  # the fair policy's counter
+            self.tenants.serve(req.tenant, computed)
             self.kv.cache_computed(req, item.start)  # its full blocks join the prefix cache
             if reason is not None:
                 self.finish(req, reason, end_ns)
