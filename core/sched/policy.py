@@ -43,7 +43,7 @@ def order_waiting(
     served: Mapping[str, int],
     slack: Callable[[Request], float] | None = None,
 ) -> list[Request]:
-    deadline = now_ns - int(max_defer_s * 1e9)
+    deadline = overdue_before(now_ns, max_defer_s)
     lpm = policy == Policy.LPM and len(waiting) <= LPM_MAX_QUEUE
 
     def rank(r: Request) -> float:
@@ -56,6 +56,11 @@ def order_waiting(
     overdue = sorted((r for r in waiting if r.arrival_ns < deadline), key=lambda r: r.arrival_ns)
     rest = sorted((r for r in waiting if r.arrival_ns >= deadline), key=lambda r: (rank(r), r.arrival_ns))
     return overdue + rest
+
+
+def overdue_before(now_ns: int, max_defer_s: float) -> int:
+    """The starvation ceiling as a time: whatever arrived before it has waited too long."""
+    return now_ns - int(max_defer_s * 1e9)
 
 
 def ordered_by_deadline(

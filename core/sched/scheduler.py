@@ -61,7 +61,7 @@ from stallfree.core.sched.deadline import Forecast, Pace, Place, deadline_ns, sl
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.fairness import TenantCounters
 from stallfree.core.sched.handoff import KvImport
-from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting
+from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting, overdue_before
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from stallfree.core.sched.stalls import PrefillLog
 from stallfree.core.sched.time_limit import TimeLimit
@@ -163,7 +163,7 @@ class Scheduler:
             return None
         cfg = self.config
         policy, served_now = cfg.policy, self.tenants.served
-        overdue_before = now_ns - cfg.max_defer_s * 1e9
+        cutoff = overdue_before(now_ns, cfg.max_defer_s)
         queued: list[tuple[Place, int]] = []
         for r in self.requests.values():  # once a request, each figure once: 10,000 queued cost 59 ms, not 14
             if r.status == RequestStatus.DECODING:
@@ -173,7 +173,7 @@ class Scheduler:
                 continue
             due = deadline_ns(r)
             on_time = due is not None and slack_s(r, now_ns, pace) >= 0
-            if due is not None and not on_time and r.arrival_ns >= overdue_before:
+            if due is not None and not on_time and r.arrival_ns >= cutoff:
                 continue  # late: behind any newcomer
             pending = r.num_pending_tokens
             tokens = 1 if sibling and self._prompt_source(r) is not None else pending  # onto its sibling's blocks
@@ -298,19 +298,19 @@ class Scheduler:
         def short(r: Request) -> bool:
             return not long(r)
 
-        partials = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        partials = self._partials(now_ns)  # running order: no deadlines here; the passes below add only short ones
         waits_long = self.waiting.most_pending_tokens() > long_tokens or any(map(long, partials))
         kept = min(left, max(1, left // 4)) if waits_long else 0
         long_floor = max(1, floor // 4) if waits_long else 0
         first = limit.shared(batch, SHORT_SHARE if waits_long else 1.0, floor - long_floor) if limit else BUDGET
-        short_left = self._prefill_running(batch, left - kept, first, [r for r in self._partials(now_ns) if short(r)])
+        short_left = self._prefill_running(batch, left - kept, first, [r for r in partials if short(r)])
         oldest_ns = self.waiting.oldest_arrival_ns()
-        overdue = oldest_ns is not None and oldest_ns < now_ns - self.config.max_defer_s * 1e9
+        overdue = oldest_ns is not None and oldest_ns < overdue_before(now_ns, self.config.max_defer_s)
         if not overdue:  # short prompts are admitted before long partials run
             ordered = self._to_admit(now_ns)
             short_left = self._admit(batch, short_left, first, [r for r in ordered if short(r)])
         rest = limit.shared(batch, 1.0, max(floor - batch.prefill_tokens, long_floor)) if limit else BUDGET
-        left = self._prefill_running(batch, kept + short_left, rest, [r for r in self._partials(now_ns) if long(r)])
+        left = self._prefill_running(batch, kept + short_left, rest, [r for r in partials if long(r)])
         return self._admit(batch, left, rest, self._to_admit(now_ns) if overdue else [r for r in ordered if long(r)])
 
     def _prefill_by_deadline(self, batch: Batch, left: int, now_ns: int, limit: TimeLimit | None) -> int:
@@ -366,10 +366,10 @@ class Scheduler:
         before everything else, oldest first."""
         slack = self._slack(now_ns)
         assert slack is not None
-        overdue_before = now_ns - self.config.max_defer_s * 1e9
+        cutoff = overdue_before(now_ns, self.config.max_defer_s)
 
         def key(r: Request) -> tuple[float, ...]:
-            return deadline_order(r, slack, overdue_before)
+            return deadline_order(r, slack, cutoff)
 
         partials, waiting = sorted(self._partials(now_ns), key=key), self._to_admit(now_ns)
         merged: list[Request] = []
@@ -604,8 +604,8 @@ class Scheduler:
         slack = self._slack(now_ns)
         if slack is None:
             return partial
-        overdue_before = now_ns - self.config.max_defer_s * 1e9
-        return sorted(partial, key=lambda r: deadline_order(r, slack, overdue_before))
+        cutoff = overdue_before(now_ns, self.config.max_defer_s)
+        return sorted(partial, key=lambda r: deadline_order(r, slack, cutoff))
 
     def _keeps_deadlines(self) -> bool:
         """Has any queued prompt a TTFT target (the server's, or its own)?"""
