@@ -143,9 +143,7 @@ def test_the_check_catches_torch_added_to_the_scheduler(tmp_path: Path):
         shutil.copytree(ROOT / package, tmp_path / "stallfree" / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "stallfree" / "__init__.py", tmp_path / "stallfree")
     scheduler = tmp_path / "stallfree" / "core" / "sched" / "scheduler.py"
-    scheduler.write_text(
-        scheduler.read_text().replace("import itertools\n", "import itertools\n\nimport torch\n", 1)
-    )
+    scheduler.write_text(scheduler.read_text().replace("import itertools\n", "import itertools\n\nimport torch\n", 1))
     found = violations("core.sched.engine", ("torch",), root=tmp_path)
     assert found == ["core.sched.engine -> torch (imported by core.sched.scheduler)"]
 
