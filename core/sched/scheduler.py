@@ -57,7 +57,7 @@ from stallfree.core.sched.block_manager import Admitted, BlockManager
 from stallfree.core.sched.chunk_rule import BUDGET, WHOLE, ChunkRule
 from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
-from stallfree.core.sched.deadline import Forecast, Pace, Place, deadline_ns, slack_s
+from stallfree.core.sched.deadline import Forecast, Pace, deadline_ns, slack_s
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.fairness import TenantCounters
 from stallfree.core.sched.handoff import KvImport
@@ -157,17 +157,19 @@ class Scheduler:
         (they go after any newcomer) unless past the starvation ceiling, and
         the other choices of a prompt still computing;
         the choices of a prompt already computed count one token each (they
-        take its blocks, not a prefill of their own)."""
+        take its blocks, not a prefill of their own). The waiting prompts'
+        places are kept by the queue as time passes them (``core.sched.forecast``);
+        partial prefills and sibling choices are read one by one."""
         pace = self.pace
         if pace is None:
             return None
         cfg = self.config
         policy, served_now = cfg.policy, self.tenants.served
         cutoff = overdue_before(now_ns, cfg.max_defer_s)
-        queued: list[tuple[Place, int]] = []
-        for r in self.requests.values():  # once a request, each figure once: 10,000 queued cost 59 ms, not 14
-            if r.status == RequestStatus.DECODING:
-                continue
+        # the waiting prompts as the queue keeps them (their places change only as time passes them)
+        queued = list(self.waiting.places.places(now_ns, pace, policy, cfg.max_defer_s, served_now))
+        partials = (r for r in self.running if r.status == RequestStatus.PREFILLING)
+        for r in itertools.chain(partials, self.waiting.places.siblings.values()):  # and, one by one, these
             sibling = r.prefill_after is not None
             if sibling and self._prompt_pending(r.prefill_after):
                 continue

@@ -23,6 +23,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 
+from stallfree.core.sched.forecast import WaitingPlaces
 from stallfree.core.sched.request import Request
 
 
@@ -34,6 +35,7 @@ class WaitingQueue:
         self._stamps = itertools.count()
         self._by_arrival: list[tuple[int, int, str]] = []  # (arrival_ns, stamp, id), min first
         self._by_pending: list[tuple[int, int, str]] = []  # (-tokens to prefill, stamp, id), most first
+        self.places = WaitingPlaces()  # where each stands in admission's forecast
 
     def add(self, req: Request) -> None:
         """Join at the back."""
@@ -48,6 +50,7 @@ class WaitingQueue:
     def remove(self, req: Request) -> None:
         """Leave (admitted, finished); nothing if it was not waiting."""
         rid = req.request_id
+        self.places.remove(req)
         if self._back.pop(rid, None) is None:
             self._front.pop(rid, None)
         self._stamp.pop(rid, None)
@@ -77,6 +80,7 @@ class WaitingQueue:
 
     def _track(self, req: Request) -> None:
         rid = req.request_id
+        self.places.add(req)
         stamp = self._stamp[rid] = next(self._stamps)
         heapq.heappush(self._by_arrival, (req.arrival_ns, stamp, rid))
         heapq.heappush(self._by_pending, (-req.num_pending_tokens, stamp, rid))
