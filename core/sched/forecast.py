@@ -33,12 +33,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stallfree.core.sched.config import Policy
 from stallfree.core.sched.deadline import Pace, Place, deadline_ns, slack_s
-from stallfree.core.sched.policy import class_rank
+from stallfree.core.sched.policy import class_rank, overdue_before
 from stallfree.core.sched.request import Request
 
 
@@ -96,14 +96,15 @@ class WaitingPlaces:
 
     def places(
         self, now_ns: int, pace: Pace, policy: Policy, max_defer_s: float, served: Mapping[str, int]
-    ) -> Iterator[tuple[Place, int]]:
+    ) -> list[tuple[Place, int]]:
         """(place, tokens still to prefill) of the waiting prompts that are not
         siblings, standing ones summed per class, as ``Scheduler.forecast`` counts them."""
         if (policy, max_defer_s) != (self._policy, self._max_defer_s) or now_ns < self._now_ns:
             self._rebuild(policy, max_defer_s)
         self._now_ns = now_ns
-        cutoff = now_ns - int(max_defer_s * 1e9)
+        cutoff = overdue_before(now_ns, max_defer_s)
         self._advance(now_ns, cutoff)
+        out = [((class_rank(policy, *entry.looks, served), math.inf), entry.tokens) for entry in self._sums.values()]
         for r in self._fresh.values():
             due = deadline_ns(r)
             assert due is not None
@@ -111,9 +112,10 @@ class WaitingPlaces:
             if not on_time and r.arrival_ns >= cutoff:
                 continue  # late: behind any newcomer
             pending = r.num_pending_tokens
-            yield (class_rank(policy, r.priority, r.tenant, pending, served), due if on_time else math.inf), pending
-        for entry in self._sums.values():
-            yield (class_rank(policy, *entry.looks, served), math.inf), entry.tokens
+            out.append(
+                ((class_rank(policy, r.priority, r.tenant, pending, served), due if on_time else math.inf), pending)
+            )
+        return out
 
     def _advance(self, now_ns: int, cutoff: int) -> None:
         """Fresh prompts whose deadline has passed lapse (or stand, past the ceiling);

@@ -167,7 +167,7 @@ class Scheduler:
         policy, served_now = cfg.policy, self.tenants.served
         cutoff = overdue_before(now_ns, cfg.max_defer_s)
         # the waiting prompts as the queue keeps them (their places change only as time passes them)
-        queued = list(self.waiting.places.places(now_ns, pace, policy, cfg.max_defer_s, served_now))
+        queued = self.waiting.places.places(now_ns, pace, policy, cfg.max_defer_s, served_now)
         partials = (r for r in self.running if r.status == RequestStatus.PREFILLING)
         for r in itertools.chain(partials, self.waiting.places.siblings.values()):  # and, one by one, these
             sibling = r.prefill_after is not None
