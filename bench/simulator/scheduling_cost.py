@@ -10,6 +10,9 @@ admitted while the others decode); each step's ``Scheduler.schedule`` is
 timed, for every policy, without and with a TTFT target (the deadline
 order), and so is the step's ``Engine.counts`` (what the snapshot carries
 after each iteration: with TTFT targets, admission's forecast of the queue).
+Each queue is timed as it arrived, then 10 s later (past a 2 s target, short
+of the 30 s starvation ceiling) and 40 s later (past both): what a queue's
+age changes is which prompts can still make their targets.
 Medians and the slowest of ``--steps`` iterations after two warm-up steps,
 wall time on this process's thread. Writes a new
 bench/results/scheduling_cost-<date>.{json,md}.
@@ -33,6 +36,7 @@ from tests.simkit import request
 BLOCK = 16
 PROMPT = 64  # tokens a request's prompt
 OUTPUT = 10_000  # tokens a request may generate: the running ones never finish during a run
+AGES_S = (0.0, 10.0, 40.0)  # how long the queue has waited when timed
 
 
 def build(policy: Policy, ttft_slo_ms: float, running: int, waiting: int) -> Engine:
@@ -96,19 +100,23 @@ def main() -> None:
             for n in waiting:
                 engine = build(policy, ttft, args.running, n)
                 assert len(engine.scheduler.running) == args.running and len(engine.scheduler.waiting) == n
-                spent, counted = timed(engine, args.steps)
-                rows.append(
-                    {
-                        "policy": policy.value,
-                        "ttft_slo_ms": ttft,
-                        "waiting": n,
-                        "median_ms": statistics.median(spent) * 1e3,
-                        "max_ms": max(spent) * 1e3,
-                        "counts_median_ms": statistics.median(counted) * 1e3,
-                        "counts_max_ms": max(counted) * 1e3,
-                    }
-                )
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                arrived_ns = engine.clock()
+                for waited_s in AGES_S:
+                    engine.clock.now_ns = max(engine.clock(), arrived_ns + int(waited_s * 1e9))
+                    spent, counted = timed(engine, args.steps)
+                    rows.append(
+                        {
+                            "policy": policy.value,
+                            "ttft_slo_ms": ttft,
+                            "waiting": n,
+                            "waited_s": waited_s,
+                            "median_ms": statistics.median(spent) * 1e3,
+                            "max_ms": max(spent) * 1e3,
+                            "counts_median_ms": statistics.median(counted) * 1e3,
+                            "counts_max_ms": max(counted) * 1e3,
+                        }
+                    )
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     command = f"python -m bench.simulator.scheduling_cost {' '.join(sys.argv[1:])}".strip()
     m = machine()
     base = dated("scheduling_cost")
@@ -126,6 +134,7 @@ def main() -> None:
             r["policy"],
             "on" if r["ttft_slo_ms"] else "off",
             r["waiting"],
+            f"{r['waited_s']:g}",
             f"{r['median_ms']:.2f}",
             f"{r['max_ms']:.2f}",
             f"{r['counts_median_ms']:.2f}",
@@ -133,8 +142,9 @@ def main() -> None:
         ]
         for r in rows
     ]
-    header = ["policy", "TTFT target", "waiting", "median ms", "slowest ms", "counts median ms", "counts slowest ms"]
-    lines += table(header, cells, "llrrrrr")
+    header = ["policy", "TTFT target", "waiting", "waited s"]
+    header += ["median ms", "slowest ms", "counts median ms", "counts slowest ms"]
+    lines += table(header, cells, "llrrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
