@@ -42,6 +42,21 @@ from stallfree.core.sched.policy import class_rank, overdue_before
 from stallfree.core.sched.request import Request
 
 
+def forecast_entry(
+    r: Request, now_ns: int, pace: Pace, cutoff: int, policy: Policy, served: Mapping[str, int], tokens: int
+) -> tuple[Place, int] | None:
+    """A queued prompt's entry in the forecast, with the ``tokens`` it counts for:
+    its class and deadline while it can meet it; its class and infinity with no
+    target, or late but past the starvation ceiling (arrived before ``cutoff``);
+    None when it is late (it goes after any newcomer)."""
+    due = deadline_ns(r)
+    on_time = due is not None and slack_s(r, now_ns, pace) >= 0
+    if due is not None and not on_time and r.arrival_ns >= cutoff:
+        return None
+    rank = class_rank(policy, r.priority, r.tenant, r.num_pending_tokens, served)
+    return (rank, due if on_time and due is not None else math.inf), tokens
+
+
 @dataclass(slots=True)
 class ClassSum:
     """The standing prompts of one class: their tokens, how many, and what gives the class
@@ -106,15 +121,9 @@ class WaitingPlaces:
         self._advance(now_ns, cutoff)
         out = [((class_rank(policy, *entry.looks, served), math.inf), entry.tokens) for entry in self._sums.values()]
         for r in self._fresh.values():
-            due = deadline_ns(r)
-            assert due is not None
-            on_time = slack_s(r, now_ns, pace) >= 0
-            if not on_time and r.arrival_ns >= cutoff:
-                continue  # late: behind any newcomer
-            pending = r.num_pending_tokens
-            out.append(
-                ((class_rank(policy, r.priority, r.tenant, pending, served), due if on_time else math.inf), pending)
-            )
+            entry = forecast_entry(r, now_ns, pace, cutoff, policy, served, r.num_pending_tokens)
+            if entry is not None:
+                out.append(entry)
         return out
 
     def _advance(self, now_ns: int, cutoff: int) -> None:

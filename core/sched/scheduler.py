@@ -57,11 +57,12 @@ from stallfree.core.sched.block_manager import Admitted, BlockManager
 from stallfree.core.sched.chunk_rule import BUDGET, WHOLE, ChunkRule
 from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
-from stallfree.core.sched.deadline import Forecast, Pace, deadline_ns, slack_s
+from stallfree.core.sched.deadline import Forecast, Pace, slack_s
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.fairness import TenantCounters
+from stallfree.core.sched.forecast import forecast_entry
 from stallfree.core.sched.handoff import KvImport
-from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting, overdue_before
+from stallfree.core.sched.policy import deadline_order, order_waiting, overdue_before
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from stallfree.core.sched.stalls import PrefillLog
 from stallfree.core.sched.time_limit import TimeLimit
@@ -173,14 +174,11 @@ class Scheduler:
             sibling = r.prefill_after is not None
             if sibling and self._prompt_pending(r.prefill_after):
                 continue
-            due = deadline_ns(r)
-            on_time = due is not None and slack_s(r, now_ns, pace) >= 0
-            if due is not None and not on_time and r.arrival_ns >= cutoff:
-                continue  # late: behind any newcomer
-            pending = r.num_pending_tokens
-            tokens = 1 if sibling and self._prompt_source(r) is not None else pending  # onto its sibling's blocks
-            rank = class_rank(policy, r.priority, r.tenant, pending, served_now)
-            queued.append(((rank, due if on_time and due is not None else math.inf), tokens))
+            # a choice whose sibling has computed the prompt takes its blocks: one token, not a prefill
+            tokens = 1 if sibling and self._prompt_source(r) is not None else r.num_pending_tokens
+            entry = forecast_entry(r, now_ns, pace, cutoff, policy, served_now, tokens)
+            if entry is not None:
+                queued.append(entry)
         served = self.tenants.active() if cfg.policy == Policy.FAIR else {}
         return Forecast.of(pace, self.num_added, queued, served)
 
