@@ -98,3 +98,17 @@ def test_the_kept_forecast_reads_as_the_scan_does(specs, policy, server_target, 
         dues = {p[1] for p in scan.places} | {now, now + 10**8, math.inf}
         for place in [(r, d) for r in ranks for d in dues]:
             assert kept.ahead(place) == scan.ahead(place), (place, steps)
+
+
+def test_the_deadline_heap_keeps_no_more_than_the_prompts_waiting():
+    """Prompts admitted before their deadlines leave entries behind; without a
+    forecast to drain them (no cost model sets a pace) the heap is compacted."""
+    from stallfree.core.sched.forecast import WaitingPlaces
+
+    places = WaitingPlaces()
+    for i in range(1_000):
+        r = request(f"p{i}", 8, arrival_ns=i)
+        r.ttft_slo_ms = 1_000.0
+        places.add(r)
+        places.remove(r)
+    assert len(places._by_due) <= 64 + 2

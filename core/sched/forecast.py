@@ -94,6 +94,9 @@ class WaitingPlaces:
         stamp = self._stamp[rid] = next(self._stamps)
         self._fresh[rid] = req
         heapq.heappush(self._by_due, (due, stamp, rid))
+        if len(self._by_due) > 2 * len(self._fresh) + 64:  # mostly prompts gone before their deadline
+            self._by_due = [e for e in self._by_due if e[2] in self._fresh and self._stamp.get(e[2]) == e[1]]
+            heapq.heapify(self._by_due)
 
     def remove(self, req: Request) -> None:
         rid = req.request_id
