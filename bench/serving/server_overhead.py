@@ -193,7 +193,17 @@ def main() -> None:
 
 def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list[int], dtype: str) -> None:
     command = "python -m bench.serving.server_overhead " + " ".join(sys.argv[1:])
-    doc = {"command": command.strip(), "machine": machine(), "dtype": dtype, "rows": rows}
+    # medians per configuration and stream count, the shape bench.before_after reads
+    results = {
+        f"{config}, {n} streams, {crowd} idle": {
+            key: statistics.median(float(r[key]) for r in cell if key in r)  # type: ignore[arg-type]
+            for key in sorted({k for r in cell for k in r if k.endswith(("_ms", "_cores"))})
+        }
+        for config, n, crowd in sorted({(str(r["config"]), int(r["streams"]), int(r["crowd"])) for r in rows})  # type: ignore[call-overload]
+        for cell in [[r for r in rows if (r["config"], r["streams"], r["crowd"]) == (config, n, crowd)]]
+    }
+    m = machine()
+    doc = {"command": command.strip(), "machine": m, "dtype": dtype, "rows": rows, "results": results}
     base = dated(args.out)
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
 
@@ -248,7 +258,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list
     lines = [
         "# Where the server's time goes: decode through the engine alone and through the server",
         "",
-        f"`{doc['command']}`; {describe(doc['machine'])}; {os.cpu_count()} cores; dtype {dtype}, compute threads",
+        f"`{doc['command']}`; {describe(m)}; {os.cpu_count()} cores; dtype {dtype}, compute threads",
         f"{args.threads} (as each configuration says); the load generator shares the cores. Iteration: the gap",
         "between two of the engine's emits (the engine alone: its step's time). Client ITL: the gap the client sees.",
         "Delivery: client receive - engine emit.",
