@@ -233,9 +233,9 @@ def local_backend(
         )
         facts |= process.facts
         return process, tokenizer, process.name
-    from stallfree.core.sched.step_loop import StepLoop
+    from stallfree.core.sched.step_loop import StepLoop, on_own_thread
 
-    built = local_engine(args, config, auto_budget)
+    built = on_own_thread(partial(local_engine, args, config, auto_budget))
     facts |= built.facts
     return StepLoop(built.engine), tokenizer, built.name
 

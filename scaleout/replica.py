@@ -38,7 +38,7 @@ from stallfree.core.sched.batch import IterationRecord
 from stallfree.core.sched.engine import Engine, RequestOutput, StepOutput
 from stallfree.core.sched.handoff import KvHandoff
 from stallfree.core.sched.request import Request, SamplingParams, Timeline
-from stallfree.core.sched.step_loop import StepLoop
+from stallfree.core.sched.step_loop import StepLoop, on_own_thread
 from stallfree.core.sched.timings import request_timings
 from stallfree.scaleout.clock import shift, wall_offset_ns
 from stallfree.scaleout.spec import Abort, Feed, FeedMessage, Handoff, Job, ReplicaSpec
@@ -100,7 +100,7 @@ class EngineReplica:
             self.name = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # constructed outside Serve
             self.name = "local"
-        self.engine = build(spec)
+        self.engine = on_own_thread(lambda: build(spec))  # the step thread's OpenMP team the only one
         self.wall_offset = wall_offset_ns()
         self.config_version = 0
         self.fatal: str | None = None

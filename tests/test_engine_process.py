@@ -60,6 +60,13 @@ def interval_engine() -> BuiltEngine:
     return built
 
 
+def thread_engine() -> BuiltEngine:
+    """The fast engine, telling the thread it was built on and whether that thread is the process's main one."""
+    built = fast_engine()
+    built.facts["built_on_main"] = threading.current_thread() is threading.main_thread()
+    return built
+
+
 def broken_factory() -> BuiltEngine:
     raise ValueError("no such model: nowhere.gguf")
 
@@ -198,6 +205,16 @@ def test_the_switch_interval_is_set_where_the_step_thread_runs():
         assert default.facts["switch_interval_s"] == pytest.approx(0.005)  # Python's own, untouched
     finally:
         default.stop()
+
+
+def test_the_engine_is_built_on_a_thread_of_its_own():
+    """Not on the main thread, which reads the gateway's commands: an OpenMP
+    team started there would outlive the build (test_kernel_threads)."""
+    proc = EngineProcess(thread_engine)
+    try:
+        assert proc.facts["built_on_main"] is False
+    finally:
+        proc.stop()
 
 
 def test_a_factory_that_fails_is_reported_at_start():

@@ -10,6 +10,9 @@ process CPU time over wall time: about 2 at two threads, 1 at one).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -146,3 +149,36 @@ def test_attention_gives_the_same_answer_however_its_work_is_dealt(native, decod
         torch.set_num_threads(threads)
         got = kernels.paged_attention(q, k_cache, v_cache, meta, dim**-0.5).float()
         assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), threads
+
+
+_TEAMS = """
+import os, sys, time, torch
+from stallfree import kernels
+from stallfree.core.sched.step_loop import on_own_thread
+kernels.native_cpu()
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+base = threads()
+assert on_own_thread(lambda: torch.ops.stallfree.threads_used(64)) == 2
+deadline = time.monotonic() + 10
+while threads() > base and time.monotonic() < deadline:  # the team's workers leave as the thread ends
+    time.sleep(0.01)
+after_own = threads() - base
+assert torch.ops.stallfree.threads_used(64) == 2
+print(after_own, threads() - base)
+"""
+
+
+def test_a_model_built_on_its_own_thread_leaves_no_openmp_team_behind(native):
+    """The engine is built (model loaded, start-up profile measured) by
+    ``on_own_thread``: its parallel regions' team ends with that thread, so
+    the step thread's team is the only one and libgomp keeps its workers
+    spinning between regions. The same region run on this script's main
+    thread leaves its worker behind: the count can see a team."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", _TEAMS], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    after_own, after_main = map(int, out.stdout.split())
+    assert after_own == 0, "the build thread's OpenMP workers outlived it"
+    assert after_main == 1, "a region on the main thread should leave its one worker"

@@ -10,7 +10,7 @@ from stallfree.core.analysis.cost_model import ARTICLE_GPU, CostModel
 from stallfree.core.analysis.sim_runner import SimRunner
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine
-from stallfree.core.sched.step_loop import EngineStopped, StepLoop
+from stallfree.core.sched.step_loop import EngineStopped, StepLoop, on_own_thread
 from tests.simkit import request
 
 
@@ -127,3 +127,14 @@ def test_a_broken_engine_fails_everything_and_nothing_waits_forever(loop):
     assert loop.engine.kv.num_used_blocks == 0
     with pytest.raises(EngineStopped):  # refused at once, never queued
         loop.call(lambda: 1).result(1)
+
+
+def test_on_own_thread_returns_what_its_function_returns_and_raises_what_it_raises():
+    caller = threading.current_thread()
+    assert on_own_thread(lambda: threading.current_thread() is not caller)
+
+    def fails() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        on_own_thread(fails)

@@ -20,6 +20,8 @@ that many more WebSocket connections held open (idle) while the N streams run.
 ``loadtest``'s client), where only the client's gaps are seen.
 ``--server-flags "A|B"``: each server configuration once per set of extra
 ``serve`` flags (e.g. ``--engine-switch-interval-ms 1|--engine-switch-interval-ms 5``).
+``--baseline PATH``: each server configuration also from another checkout
+(``git worktree add PATH <rev>``), named "baseline ...", for a before/after.
 Configurations alternate within each repeat; medians over the repeats.
 Writes a new bench/results/server_overhead-<date>.{json,md}.
 """
@@ -42,7 +44,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
-from bench.servers import StallfreeServer
+from bench.servers import ROOT, StallfreeServer
 from stallfree.core.sched.timings import percentile
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -154,6 +156,7 @@ def main() -> None:
     ap.add_argument("--out", default="server_overhead")
     ap.add_argument("--threads", default="1", help="compute threads, each count a configuration (e.g. 1,2)")
     ap.add_argument("--server-flags", default="", help="extra serve flags, '|' between configurations")
+    ap.add_argument("--baseline", type=Path, help="another checkout whose servers run beside this one's, alternately")
     args = ap.parse_args()
     variants = [v.split() for v in args.server_flags.split("|")]
     threads = [int(t) for t in args.threads.split(",")]
@@ -171,10 +174,14 @@ def main() -> None:
             for n, ms in alone.items():
                 rows.append({"repeat": rep, "config": f"engine alone{at}", "streams": n, "crowd": 0, "emit_p50_ms": ms})
                 print(json.dumps(rows[-1]), file=sys.stderr)
-            for engine, extra in ((e, v) for e in engines for v in variants):
+            checkouts = [ROOT, args.baseline] if args.baseline else [ROOT]
+            for engine, extra, checkout in ((e, v, c) for e in engines for v in variants for c in checkouts):
+                if rep % 2:  # ABBA: neither checkout always runs second
+                    checkout = checkouts[-1 - checkouts.index(checkout)]
                 flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8), *extra)
-                server = StallfreeServer(*flags)
+                server = StallfreeServer(*flags, checkout=checkout)
                 named = f"--engine {engine}{' ' + ' '.join(extra) if extra else ''}{at}"
+                named = named if checkout == ROOT else f"baseline {named}"
                 try:
                     for crowd in crowds:
                         for n in streams:

@@ -49,7 +49,7 @@ from typing import Any
 import structlog
 
 from stallfree.core.sched.engine import Engine, StepOutput
-from stallfree.core.sched.step_loop import StepLoop
+from stallfree.core.sched.step_loop import StepLoop, on_own_thread
 from stallfree.core.sched.wire import (
     Abort,
     Command,
@@ -167,7 +167,7 @@ def engine_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        built = factory()
+        built = on_own_thread(factory)  # the step thread's OpenMP team the only one
     except BaseException as exc:
         write_frame(out_fd, [StartFailed(f"{type(exc).__name__}: {exc}")])
         return

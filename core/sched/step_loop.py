@@ -32,6 +32,36 @@ _UNSCHEDULABLE_WAIT_S = 0.002
 TIMES = 3  # busy_since_ns, last_step_ns, the running iteration's predicted ns
 
 
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """fn's result (or its exception), computed on a thread that ends when fn returns.
+
+    Build the engine with it. Why: the OpenMP runtime keeps a team of worker
+    threads for every thread that has run a parallel region, for as long as
+    that thread lives. A model loaded and profiled on one thread and stepped on
+    another leaves two teams, and libgomp, once its teams' threads outnumber the
+    cores, stops its workers spinning between parallel regions: they sleep in
+    the kernel and every region waits for them to wake. Built on a thread that
+    ends, the step thread's team is the only one: on the 2-core Xeon at 2
+    threads, 32 streams through the server stepped in 36.8 ms, not 54.6, the
+    engine process on 1.90 cores, not 1.52 (bench/results/server_overhead-2026-12-05-5).
+    """
+    box: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # raised again on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="stallfree-build")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return box[0]
+
+
 class EngineStopped(RuntimeError):
     """The engine cannot run commands any more (the reason is the message)."""
 
