@@ -8,6 +8,7 @@ bytes it must read per second (the decode roofline), alternating the
 kernels call by call: the reference, the native kernel as it runs here
 (prefill tiles on oneDNN's brgemm where the machine has it) and the native
 kernel with its hand-written tiles forced (the path of a machine without).
+``--threads``: the kernels' threads (a chunk's work split over them).
 Writes a new bench/results/attention_kernels-<date>.{json,md}.
 """
 
@@ -32,6 +33,8 @@ CASES = {  # name: (decodes, decode context, chunk, chunk prefix)
     "decode 32 streams, 2,000 context": (32, 2000, 0, 0),
     "512-token chunk, no prefix": (0, 0, 512, 0),
     "512-token chunk after 1,500 cached": (0, 0, 512, 1500),
+    # budget 256's mixed iteration late in a 2,000-token prompt: 8 decodes and the rest of the budget
+    "8 decodes at 512 beside a 248-token chunk after 1,752": (8, 512, 248, 1752),
 }
 
 
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default="attention_kernels", help="result file stem under bench/results/ (dated)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
@@ -92,8 +96,10 @@ def main() -> None:
         rows.append(row)
     m = machine()
     command = f"python -m bench.kernels.attention_kernels {' '.join(sys.argv[1:])}".strip()
-    base = dated("attention_kernels")
-    base.with_suffix(".json").write_text(json.dumps({"command": command, "machine": m, "rows": rows}, indent=2))
+    base = dated(args.out)
+    results = {r["case"]: {f"{impl} ms": r[impl]["ms"] for impl in impls} for r in rows}  # as bench.before_after reads
+    doc = {"command": command, "machine": m, "rows": rows, "results": results}
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     lines = [
         "# Paged attention, one layer: native C++ kernel vs torch reference",
         "",
