@@ -4,7 +4,8 @@ machines here have 2 cores, the machines stallfree runs on 8 to 64.
     .venv/bin/python -m bench.kernels.work_split [--threads 8,16,64]
 
 For the embedded model's shapes and each thread count: every op of a decode
-step (8, 32 and 64 streams) and of a 512-token chunk, its work items (the
+step (8, 32 and 64 streams) and of a 512- and a 248-token chunk (budget
+256's beside 8 decodes), its work items (the
 units ``at::parallel_for`` hands out, by the rule its kernel uses), how many
 each thread gets, how many threads get none, and the largest imbalance: the
 busiest thread's work over the mean (1.0: even; equal-cost items, except
@@ -17,8 +18,10 @@ attention, whose items are weighed by the keys they read). The rules, from
 - ``gemm`` (the float32 head over compact weights): blocks of 32 columns,
   grain 4 (blocks per thread at least 4 where there are enough).
 - attention: a decode is one item (every KV head), or one per KV head when
-  there are fewer decodes than twice the threads; a chunk is row tiles (256
-  rows with AMX's brgemm) x KV heads; items go to threads by cost (LPT),
+  there are fewer decodes than twice the threads; a chunk is row tiles (at
+  most 256 rows with AMX's brgemm; on several threads cut smaller, down to 32
+  rows, until tiles x KV heads is a multiple of the threads or at least four
+  a thread) x KV heads; items go to threads by cost (LPT),
   cost = query vectors x keys seen. Contexts here are uneven: 64 to 4,096
   tokens, spread geometrically.
 - element-wise ops: rows, grain 16.
@@ -40,6 +43,16 @@ from stallfree.core.model.loader import gguf_config
 NB = 32  # output columns per block (gemm_dot and gemm alike)
 DOT_ROWS, PANEL_BYTES = 14, 256 << 10
 TILE_ROWS = 768  # query vectors per prefill tile (AMX brgemm, bf16), divided by the group below
+MIN_TILE_ROWS = 32  # a chunk's tiles are cut no smaller to deal evenly
+
+
+def chunk_tile_rows(chunk: int, most: int, kv_heads: int, threads: int) -> int:
+    """attention.cpp's chunk_tile_rows: rows per tile of a chunk."""
+    tiles = -(-chunk // most)
+    cap = max(tiles, chunk // MIN_TILE_ROWS)
+    while tiles < cap and (tiles * kv_heads) % threads and tiles * kv_heads < 4 * threads:
+        tiles += 1
+    return -(-chunk // tiles)
 
 
 def static_split(items: int, grain: int, threads: int) -> list[float]:
@@ -101,14 +114,14 @@ def step(cfg, threads: int, streams: int, chunk: int) -> list[dict[str, object]]
         loads, counts = lpt(costs, threads)
         out.append(row("attention, decodes" + (" (by KV head)" if split else ""), loads, len(costs), counts))
     else:
-        tile = max(1, TILE_ROWS // g)
+        tile = chunk_tile_rows(chunk, max(1, TILE_ROWS // g), kvh, threads)
         costs = [
             min(tile, chunk - r) * g * (1536 + r + min(tile, chunk - r) / 2)
             for r in range(0, chunk, tile)
             for _ in range(kvh)
         ]
         loads, counts = lpt(costs, threads)
-        out.append(row("attention, chunk after 1,536", loads, len(costs), counts))
+        out.append(row(f"attention, {chunk}-token chunk after 1,536", loads, len(costs), counts))
     out.append(row("element-wise (rows, grain 16)", static_split(rows, 16, threads), rows))
     return out
 
@@ -118,9 +131,9 @@ def main() -> None:
     ap.add_argument("--threads", default="8,16,64")
     args = ap.parse_args()
     cfg = gguf_config(GGUFFile(embedded_model_path()))
-    shapes = [(8, 0), (32, 0), (64, 0), (0, 512)]
+    shapes = [(8, 0), (32, 0), (64, 0), (0, 512), (0, 248)]
     results = {
-        t: {(f"decode, {s} streams" if s else "a 512-token chunk"): step(cfg, t, s, c) for s, c in shapes}
+        t: {(f"decode, {s} streams" if s else f"a {c}-token chunk"): step(cfg, t, s, c) for s, c in shapes}
         for t in (int(x) for x in args.threads.split(","))
     }
     m = machine()

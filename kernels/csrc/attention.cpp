@@ -680,6 +680,19 @@ std::vector<std::vector<int>> deal(const std::vector<Work>& work, int bins) {
   return dealt;
 }
 
+// Query rows per tile of a chunk of q_len rows: at most `most`, and, on
+// several threads, the chunk cut into more tiles until its items (tiles x KV
+// heads) deal out evenly or number at least four a thread, down to
+// MIN_TILE_ROWS. A 248-token chunk in one tile a KV head made three items:
+// on two threads one thread ran two of them while the other waited.
+constexpr int MIN_TILE_ROWS = 32;
+int chunk_tile_rows(int q_len, int most, int kv_heads, int threads) {
+  int tiles = (q_len + most - 1) / most;
+  const int cap = std::max(tiles, q_len / MIN_TILE_ROWS);
+  while (tiles < cap && (tiles * kv_heads) % threads != 0 && tiles * kv_heads < 4 * threads) ++tiles;
+  return (q_len + tiles - 1) / tiles;
+}
+
 template <typename T, int D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
          const at::Tensor& seq_lens, const at::Tensor& query_start, double scale, at::Tensor& out) {
@@ -703,8 +716,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         work.push_back({s, h, qs[s], 1, decode_heads, static_cast<double>(decode_heads) * G * lens[s]});
       continue;
     }
-    for (int r = qs[s]; r < qs[s + 1]; r += rows_per_tile) {
-      const int rows = std::min(rows_per_tile, qs[s + 1] - r);
+    const int tile_rows = chunk_tile_rows(q_len, rows_per_tile, KVH, threads);
+    for (int r = qs[s]; r < qs[s + 1]; r += tile_rows) {
+      const int rows = std::min(tile_rows, qs[s + 1] - r);
       const double keys = lens[s] - q_len + (r - qs[s]) + rows / 2.0;  // the tile's rows see this many, on average
       for (int h = 0; h < KVH; ++h) work.push_back({s, h, r, rows, 1, static_cast<double>(rows) * G * keys});
     }
