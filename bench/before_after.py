@@ -10,7 +10,8 @@ noise of a shared machine and from whichever runs second.
 --out <stem>`` with the tree as working directory and first on PYTHONPATH;
 the module writes its dated JSON under that tree's ``bench/results``
 (``{"results": {row: {metric: value}}}``, as ``bench.engine.model_throughput``
-does), which is read and removed. Reports each metric's median per tree,
+does), which is read and removed. The old tree's kernels compile into a
+cache of their own (``bench.servers.tree_env``). Reports each metric's median per tree,
 the after/before ratio and the spread. Writes bench/results/before_after-<date>.{json,md}.
 """
 
@@ -27,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.record import dated, describe, machine, table
+from bench.servers import tree_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_once(tree: Path, module: str, args: list[str], stem: str) -> dict[str, dict[str, float]]:
     """Run the benchmark in tree; return its results, numeric metrics only."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**tree_env(tree), "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", module, *args, "--out", stem]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     (path,) = (tree / "bench" / "results").glob(f"{stem}-*.json")

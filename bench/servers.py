@@ -17,6 +17,17 @@ OUT = ROOT / "bench" / "results"
 VLLM = ROOT / "bench" / "peers" / "vllm"  # install.sh, convert.sh and start.sh for the peer
 
 
+def tree_env(checkout: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment to run a checkout's code in: another checkout than this
+    one compiles its kernels into a cache of its own, since one cache for two
+    source trees was rebuilt at every switch between them (under a server
+    that had loaded it, at that)."""
+    env = dict(env or os.environ)
+    if checkout.resolve() != ROOT:
+        env["STALLFREE_KERNEL_CACHE"] = str(Path.home() / ".cache" / "stallfree" / f"kernels-{checkout.resolve().name}")
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +83,7 @@ class StallfreeServer:
             cwd=checkout,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
-            env={**(env or os.environ), "PYTHONUNBUFFERED": "1"},
+            env={**tree_env(checkout, env), "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
         wait_ready(self.url + "/readyz", self.proc, ready_timeout_s)
