@@ -61,7 +61,7 @@ def interval_engine() -> BuiltEngine:
 
 
 def thread_engine() -> BuiltEngine:
-    """The fast engine, telling the thread it was built on and whether that thread is the process's main one."""
+    """The fast engine, telling whether it was built on the engine process's main thread."""
     built = fast_engine()
     built.facts["built_on_main"] = threading.current_thread() is threading.main_thread()
     return built

@@ -175,9 +175,8 @@ def main() -> None:
                 rows.append({"repeat": rep, "config": f"engine alone{at}", "streams": n, "crowd": 0, "emit_p50_ms": ms})
                 print(json.dumps(rows[-1]), file=sys.stderr)
             checkouts = [ROOT, args.baseline] if args.baseline else [ROOT]
+            checkouts = checkouts[::-1] if rep % 2 else checkouts  # ABBA: neither checkout always runs second
             for engine, extra, checkout in ((e, v, c) for e in engines for v in variants for c in checkouts):
-                if rep % 2:  # ABBA: neither checkout always runs second
-                    checkout = checkouts[-1 - checkouts.index(checkout)]
                 flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8), *extra)
                 server = StallfreeServer(*flags, checkout=checkout)
                 named = f"--engine {engine}{' ' + ' '.join(extra) if extra else ''}{at}"
@@ -200,14 +199,16 @@ def main() -> None:
 
 def write(args: argparse.Namespace, rows: list[dict[str, object]], streams: list[int], dtype: str) -> None:
     command = "python -m bench.serving.server_overhead " + " ".join(sys.argv[1:])
-    # medians per configuration and stream count, the shape bench.before_after reads
+    # medians per configuration, stream count and crowd: the shape bench.before_after reads
+    by_cell: dict[str, list[dict[str, object]]] = {}
+    for r in rows:
+        by_cell.setdefault(f"{r['config']}, {r['streams']} streams, {r['crowd']} idle", []).append(r)
     results = {
-        f"{config}, {n} streams, {crowd} idle": {
+        name: {
             key: statistics.median(float(r[key]) for r in cell if key in r)  # type: ignore[arg-type]
             for key in sorted({k for r in cell for k in r if k.endswith(("_ms", "_cores"))})
         }
-        for config, n, crowd in sorted({(str(r["config"]), int(r["streams"]), int(r["crowd"])) for r in rows})  # type: ignore[call-overload]
-        for cell in [[r for r in rows if (r["config"], r["streams"], r["crowd"]) == (config, n, crowd)]]
+        for name, cell in sorted(by_cell.items())
     }
     m = machine()
     doc = {"command": command.strip(), "machine": m, "dtype": dtype, "rows": rows, "results": results}
