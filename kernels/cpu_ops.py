@@ -88,6 +88,23 @@ def brgemm_dtypes() -> set[torch.dtype]:
     return {dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if mask & bit}
 
 
+def amx_tiles() -> bool:
+    """Whether bf16 prefill tiles (heads of 64) run on AMX's own instructions
+    here, rather than through oneDNN's brgemm (``kernels/csrc/attention.cpp``)."""
+    return bool(ops.attention_amx(True))
+
+
+@contextmanager
+def brgemm_tiles() -> Iterator[None]:
+    """bf16 prefill attention tiles through oneDNN's brgemm even where AMX's
+    own instructions would run them, for tests and benchmarks."""
+    ops.attention_amx(False)
+    try:
+        yield
+    finally:
+        ops.attention_amx(True)
+
+
 @contextmanager
 def hand_written_tiles() -> Iterator[None]:
     """Prefill attention tiles on the hand-written kernel inside the block

@@ -57,11 +57,17 @@ def batches(draw):
 
 
 def tiles(ops, kind: str) -> contextlib.AbstractContextManager[None]:
-    """Prefill tiles on oneDNN's brgemm where this machine runs it, or forced onto the hand-written kernel."""
-    return contextlib.nullcontext() if kind == "brgemm" else ops.hand_written_tiles()
+    """Prefill tiles as this machine runs them (AMX's own instructions for bf16
+    heads of 64 where it has them, else oneDNN's brgemm), through brgemm, or
+    forced onto the hand-written kernel."""
+    return {
+        "as built": contextlib.nullcontext(),
+        "brgemm": ops.brgemm_tiles(),
+        "hand-written": ops.hand_written_tiles(),
+    }[kind]
 
 
-@pytest.mark.parametrize("kind", ["brgemm", "hand-written"])
+@pytest.mark.parametrize("kind", ["as built", "brgemm", "hand-written"])
 @settings(max_examples=60, deadline=None)
 @given(batch=batches(), seed=st.integers(0, 2**16))
 def test_paged_attention_matches_the_reference(ops, kind, batch, seed):
@@ -80,6 +86,38 @@ def test_the_tiles_run_on_brgemm_where_the_cpu_has_it(ops):
     assert ops.brgemm_dtypes() == expected
     with ops.hand_written_tiles():
         assert ops.ops.attention_brgemm(False) == 0
+
+
+def test_bf16_tiles_run_on_amx_where_the_cpu_has_it(ops):
+    """AMX's own instructions for bf16 prefill tiles exactly where the kind is
+    ``amx`` (not under a forced ISA); ``brgemm_tiles`` turns them off."""
+    assert ops.amx_tiles() == (cpu_build.kind() == "amx" and not os.environ.get("STALLFREE_CPU_ISA"))
+    with ops.brgemm_tiles():
+        assert not ops.ops.attention_amx(False)
+
+
+@pytest.mark.parametrize("kind", ["as built", "brgemm"])
+def test_a_chunk_whose_later_keys_score_far_higher_matches_the_reference(ops, kind):
+    """Keys whose scores grow along the sequence: each query vector's maximum
+    passes its first KV tile's by more than 2^8 (log2 units) in a later tile,
+    which makes the AMX tiles rescale (their reference maximum otherwise
+    stands); bf16, heads of 64, a chunk of 100 after 300 cached tokens."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, bs, prefix, new = 9, 3, 64, 16, 300, 100
+    nblocks = -(-(prefix + new) // bs)
+    growth = (1 + torch.arange(nblocks * bs, dtype=torch.float32) / 40).view(nblocks, bs, 1, 1)
+    k_cache = (torch.randn(nblocks, bs, kv_heads, dim) * growth).bfloat16()
+    v_cache = torch.randn(nblocks, bs, kv_heads, dim).bfloat16()
+    q = (torch.randn(new, heads, dim) * 3).bfloat16()
+    meta = build_attention_meta([list(range(nblocks))], [prefix + new], [new], 0, bs, CPU)
+    scale = dim**-0.5
+    keys = k_cache.float().view(-1, kv_heads, dim)[: prefix + new].repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale * 1.4426950408889634  # log2 units
+    first_tile_max = scores[:, :, :128].amax(-1)
+    assert bool((scores.amax(-1) > first_tile_max + 8).all())  # every vector rescales at least once
+    with tiles(ops, kind):
+        out = ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    assert close(out, reference.paged_attention(q, k_cache, v_cache, meta, scale), torch.bfloat16)
 
 
 def check_paged_attention(ops, batch, seed) -> None:

@@ -31,6 +31,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "dot.h"
 #include "vec.h"
 
@@ -538,11 +543,11 @@ void gather_v(const T* vc, const int64_t* off, int n, T* out) {
 // One row of a tile's probabilities, p = 2^(s * log2_scale - hi), stored as
 // T; returns their sum. bf16 probabilities keep 8 bits: a shorter polynomial.
 template <typename T>
-float probability_row(const float* s, float log2_scale, float hi, T* p) {
+float probability_row(const float* s, float log2_scale, float hi, T* p, int cols) {
   constexpr int DEGREE = std::is_same_v<T, float> ? 6 : 4;
   const vf cv = splat(log2_scale), h = splat(hi);
   vf add{};
-  for (int t = 0; t < TKB; t += W) {
+  for (int t = 0; t < cols; t += W) {
     const vf e = vexp2<DEGREE>(load(s + t) * cv - h);
     add += e;
     store(p + t, e);
@@ -554,10 +559,10 @@ float probability_row(const float* s, float log2_scale, float hi, T* p) {
 // The bf16 row with AVX512-BF16's rounding conversion (every CPU with AMX has
 // it): one instruction per 16 values instead of five, 7% of a bf16 tile.
 __attribute__((target("avx512bf16"))) float probability_row_cvt(const float* s, float log2_scale, float hi,
-                                                                c10::BFloat16* p) {
+                                                                c10::BFloat16* p, int cols) {
   const vf cv = splat(log2_scale), h = splat(hi);
   vf add{};
-  for (int t = 0; t < TKB; t += W) {
+  for (int t = 0; t < cols; t += W) {
     const vf e = vexp2<4>(load(s + t) * cv - h);
     add += e;
     const __m256bh b = _mm512_cvtneps_pbh((__m512)e);
@@ -568,14 +573,14 @@ __attribute__((target("avx512bf16"))) float probability_row_cvt(const float* s, 
 #endif
 
 template <typename T>
-float probabilities(const float* s, float log2_scale, float hi, T* p) {
+float probabilities(const float* s, float log2_scale, float hi, T* p, int cols = TKB) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, float>) {
     static const bool cvt = __builtin_cpu_supports("avx512bf16");
-    if (cvt) return probability_row_cvt(s, log2_scale, hi, p);
+    if (cvt) return probability_row_cvt(s, log2_scale, hi, p, cols);
   }
 #endif
-  return probability_row(s, log2_scale, hi, p);
+  return probability_row(s, log2_scale, hi, p, cols);
 }
 
 // The same tile as attend_tile, its products by brgemm: S = Q K^T over a KV
@@ -654,6 +659,205 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
       for (int i = 0; i < D; i += W) store(out + r * out_row_stride + g * D + i, load(&o[m * D + i]) * inv);
     }
 }
+
+#if defined(__AVX512F__)
+// ---- prefill tiles on AMX's own instructions (bf16, heads of 64) -------------
+// Through oneDNN's brgemm a bf16 tile's products ran at a fraction of AMX's
+// rate: with K = 64 (a head's width) each C tile gets two multiplies per store
+// and reload, and a call over 768 query vectors leaves its scores in L2.
+// Timed on the 2-core Xeon (2026-12-05): a tile multiply takes ~7 ns and a tile
+// store ~8; loading a tile register waits for the multiplies still reading it
+// (with each loaded tile feeding one multiply they took ~30 ns each); a tile
+// load of lines vector stores just wrote, or vector loads of lines a tile
+// store just wrote, cost ~20 ns more. So: KV tile by KV tile (its K^T and V
+// stay in L1 for every query block), 32 query vectors (two tiles' rows) at a
+// time with each loaded tile feeding two multiplies, and per pair its scores,
+// the previous pair's P V, then its softmax, so that neither kind of store is
+// read straight back. The softmax is one pass: each vector keeps a reference
+// maximum and probabilities are taken against it, until a KV tile's scores
+// pass it by 2^8 (FlashAttention-4's conditional rescaling); only then is the
+// maximum found first and the outputs rescaled. Probabilities up to 256 lose
+// nothing in float32 sums or bf16 products, and the final division by the
+// sum, taken against the same reference, cancels it.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// AMX here and granted: Linux hands a process AMX's register state only on
+// request (arch_prctl). It follows ATen's bf16 brgemm (off under a forced ISA,
+// kernels/cpu_build.py): run() ends each use with ATen's brgemm_release, which
+// also makes ATen load its own tile configuration again before its next call.
+bool amx_tiles() {
+  static const bool ok = [] {
+    if (!amx_brgemm() || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+std::atomic<bool> g_amx_enabled{true};  // off: bf16 tiles on oneDNN's brgemm (tests and benchmarks compare)
+
+bool use_amx_tiles() { return amx_tiles() && g_amx_enabled.load(std::memory_order_relaxed); }
+
+constexpr int AMX_ROWS = 16;           // query vectors per block: a tile's rows
+constexpr float RESCALE_LOG2 = 8.f;    // a reference maximum stands until scores pass it by this (log2 units)
+
+// s[32][0, cols) = the pair's queries (tiles 0-1: first block's d halves, 2-3:
+// second's) x K^T (kt: [32][TKB] words, pairs along d); scores in 4-5, K^T in 6-7.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const uint32_t* kt, int cols, float* s) {
+  for (int j = 0; j < cols; j += 16) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_loadd(6, kt + j, TKB * 4);
+    _tile_loadd(7, kt + 16 * TKB + j, TKB * 4);
+    _tile_dpbf16ps(4, 0, 6);
+    _tile_dpbf16ps(5, 2, 6);
+    _tile_dpbf16ps(4, 1, 7);
+    _tile_dpbf16ps(5, 3, 7);
+    _tile_stored(4, s + j, TKB * 4);
+    _tile_stored(5, s + AMX_ROWS * TKB + j, TKB * 4);
+  }
+}
+
+// o[32][64] += p[32][0, cols) x V (vt: [TKB/2][64] words, pairs along tokens),
+// 32 output columns at a time: outputs in 0-3, probabilities in 4-5, V in 6-7.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_values(const c10::BFloat16* p, int cols, const uint32_t* vt,
+                                                              float* o) {
+  constexpr int D = 64, R = AMX_ROWS;
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    _tile_loadd(0, o + d0, D * 4);
+    _tile_loadd(1, o + d0 + 16, D * 4);
+    _tile_loadd(2, o + R * D + d0, D * 4);
+    _tile_loadd(3, o + R * D + d0 + 16, D * 4);
+    for (int k = 0; k < cols; k += 32) {
+      const uint32_t* v = vt + (k / 2) * D + d0;
+      _tile_loadd(4, p + k, TKB * 2);
+      _tile_loadd(5, p + R * TKB + k, TKB * 2);
+      _tile_loadd(6, v, D * 4);
+      _tile_loadd(7, v + 16, D * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, o + d0, D * 4);
+    _tile_stored(1, o + d0 + 16, D * 4);
+    _tile_stored(2, o + R * D + d0, D * 4);
+    _tile_stored(3, o + R * D + d0 + 16, D * 4);
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_load_queries(const c10::BFloat16* q) {
+  _tile_loadd(0, q, 128);
+  _tile_loadd(1, q + 32, 128);
+  _tile_loadd(2, q + AMX_ROWS * 64, 128);
+  _tile_loadd(3, q + AMX_ROWS * 64 + 32, 128);
+}
+
+// A row's probabilities against its reference maximum `ref` (log2 units) in
+// one pass: p = 2^(s * log2_scale - ref) as bf16, their sum added to `sum`.
+// False, p and sum untouched, when a score passes the reference by
+// RESCALE_LOG2: the caller then finds the maximum first.
+__attribute__((target("avx512bf16"))) bool capped_probabilities(const float* s, int cols, float log2_scale, float ref,
+                                                               c10::BFloat16* p, float& sum) {
+  const vf cv = splat(log2_scale), h = splat(ref);
+  vf add{}, top = splat(NEG_INF);
+  for (int t = 0; t < cols; t += W) {
+    const vf x = load(s + t);
+    top = vmax(top, x);
+    const vf e = vexp2<4>(x * cv - h);
+    add += e;
+    const __m256bh b = _mm512_cvtneps_pbh((__m512)e);
+    std::memcpy(p + t, &b, sizeof(b));
+  }
+  if (hmax(top) * log2_scale > ref + RESCALE_LOG2) return false;
+  sum += hsum(add);
+  return true;
+}
+
+// The same tile as attend_tile_brgemm (bf16, D = 64) on AMX, a pair of query
+// blocks at a time (padded with copies of the last row's limits).
+__attribute__((target("amx-tile,amx-bf16"))) void attend_tile_amx(const c10::BFloat16* q, int64_t q_row_stride,
+                                                                   int G, int rows, int first_pos,
+                                                                   const c10::BFloat16* kc, const c10::BFloat16* vc,
+                                                                   const Cache& c, float scale, c10::BFloat16* out,
+                                                                   int64_t out_row_stride) {
+  using T = c10::BFloat16;
+  constexpr int D = 64, R = 2 * AMX_ROWS;  // a pair of blocks
+  const int M = rows * G, MP = (M + R - 1) / R * R;
+  std::unique_ptr<T[]> qbuf(new T[static_cast<size_t>(MP) * D]);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) std::copy_n(q + r * q_row_stride + g * D, D, &qbuf[(r * G + g) * D]);
+  std::memset(static_cast<void*>(&qbuf[static_cast<size_t>(M) * D]), 0, (MP - M) * D * sizeof(T));
+  std::vector<float> o(static_cast<size_t>(MP) * D, 0.f), ref(MP, NEG_INF), sum(MP, 0.f);
+  // the keys [0, seen) vector m sees (padding vectors: the last row's)
+  auto seen = [&](int m) { return first_pos + std::min(m / G, rows - 1) + 1; };
+  std::unique_ptr<T[]> kv(new T[2 * D * TKB]);
+  T *kt = kv.get(), *vt = kt + D * TKB;
+  alignas(64) float s[R * TKB];
+  alignas(64) T p[2][R * TKB];
+  const float log2_scale = scale * 1.44269504088896341f;
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) config.rows[i] = AMX_ROWS, config.colsb[i] = 64;
+  _tile_loadconfig(&config);
+  int64_t off[TKB];
+  const int kv_end = first_pos + rows;
+  for (int t0 = 0; t0 < kv_end; t0 += TKB) {
+    const int n = std::min(TKB, kv_end - t0);
+    c.offsets(t0, n, off);
+    gather_k<T, D>(kc, off, n, kt);
+    gather_v<T, D>(vc, off, n, vt);
+    const int r_begin = std::max(0, t0 - first_pos);  // rows before it see nothing of this tile
+    int prev = -1, prev_cols = 0;                       // the previous pair, its probabilities in p[slot ^ 1]
+    int slot = 0;
+    for (int b = std::min(r_begin * G, M) / R * R; b < M; b += R, slot ^= 1) {
+      const int cols = (std::min(n, seen(b + R - 1) - t0) + 31) / 32 * 32;
+      amx_load_queries(&qbuf[static_cast<size_t>(b) * D]);
+      amx_scores(reinterpret_cast<const uint32_t*>(kt), cols, s);
+      if (prev >= 0)
+        amx_values(p[slot ^ 1], prev_cols, reinterpret_cast<const uint32_t*>(vt), &o[static_cast<size_t>(prev) * D]);
+      for (int i = 0; i < R; ++i) {
+        const int m = b + i;
+        float* sr = s + i * TKB;
+        T* pr = p[slot] + i * TKB;
+        const int lim = std::clamp(seen(m) - t0, 0, cols);
+        std::fill(sr + lim, sr + cols, NEG_INF);
+        if (ref[m] != NEG_INF && capped_probabilities(sr, cols, log2_scale, ref[m], pr, sum[m])) continue;
+        // the first keys it sees, or scores past its reference: the maximum first
+        vf mv = splat(NEG_INF);
+        for (int t = 0; t < lim; t += W) mv = vmax(mv, load(sr + t));
+        const float hi = hmax(mv) * log2_scale;  // log2 units
+        if (hi > ref[m] + RESCALE_LOG2) {
+          if (ref[m] != NEG_INF) {
+            const float corr = std::exp2(ref[m] - hi);
+            sum[m] *= corr;
+            float* om = &o[static_cast<size_t>(m) * D];
+            for (int x = 0; x < D; x += W) store(om + x, load(om + x) * splat(corr));
+          }
+          ref[m] = hi;
+        }
+        if (ref[m] == NEG_INF) {  // sees none of these keys yet
+          std::memset(static_cast<void*>(pr), 0, cols * sizeof(T));
+          continue;
+        }
+        sum[m] += probabilities(sr, log2_scale, ref[m], pr, cols);
+      }
+      prev = b, prev_cols = cols;
+    }
+    if (prev >= 0)
+      amx_values(p[slot ^ 1], prev_cols, reinterpret_cast<const uint32_t*>(vt), &o[static_cast<size_t>(prev) * D]);
+  }
+  for (int m = 0; m < M; ++m) {
+    const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
+    T* dst = out + (m / G) * out_row_stride + (m % G) * D;
+    for (int x = 0; x < D; x += W) store(dst + x, load(&o[static_cast<size_t>(m) * D + x]) * splat(inv));
+  }
+}
+#endif
 
 struct Work {
   int seq, kv_head, row0, rows;
@@ -762,6 +966,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         } else {
           const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
           if (brgemm) {
+#if defined(__AVX512F__)
+            if constexpr (!std::is_same_v<T, float> && D == 64) {
+              if (use_amx_tiles()) {
+                attend_tile_amx(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+                tiles_used = true;
+                continue;
+              }
+            }
+#endif
             attend_tile_brgemm<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
             tiles_used = true;
           } else {
@@ -770,8 +983,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         }
       }
     }
+    // AMX tile state; ATen also forgets the tile configuration it last loaded (attend_tile_amx loads its own)
     if (tiles_used && (std::is_same_v<T, float> || amx_brgemm()))
-      at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);  // AMX tile state
+      at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);
   });
 }
 
@@ -808,6 +1022,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // Whether prefill tiles go through brgemm; `enabled` false forces the
 // hand-written tiles (tests and benchmarks compare the two). Returns where
 // brgemm runs now: bit 0 float32, bit 1 bf16.
+// Whether bf16 prefill tiles run on AMX's own instructions (attend_tile_amx)
+// where they can; `enabled` false sends them to oneDNN's brgemm. Returns
+// whether they run on AMX now.
+bool sf_attention_amx(bool enabled) {
+#if defined(__AVX512F__)
+  sf::g_amx_enabled.store(enabled);
+  return sf::use_amx_tiles();
+#else
+  return false;
+#endif
+}
+
 int64_t sf_attention_brgemm(bool enabled) {
   sf::g_brgemm_enabled.store(enabled);
   return (sf::use_brgemm<float>() ? 1 : 0) | (sf::use_brgemm<c10::BFloat16>() ? 2 : 0);
@@ -815,6 +1041,7 @@ int64_t sf_attention_brgemm(bool enabled) {
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("attention_brgemm(bool enabled) -> int", &sf_attention_brgemm);
+  m.def("attention_amx(bool enabled) -> bool", &sf_attention_amx);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &sf::paged_attention);
