@@ -13,7 +13,11 @@ from stallfree.cli.options import add_json_arg, add_model_args, emit, model_sett
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     pr: argparse.ArgumentParser = sub.add_parser("profile", help=__doc__.split(": ", 1)[1].rstrip("."))
     pr.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT target (default %(default)s ms)")
-    pr.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
+    pr.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer points and a shorter probe of the machine's limits (about half the time)",
+    )
     pr.add_argument("--save", type=Path, help="where to write the profile (default: ~/.cache/stallfree/)")
     add_json_arg(pr)
     pr.add_argument("--refit", type=Path, help="fit a saved profile's measured points again (no measuring)")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -32,6 +34,30 @@ class RunningServer:
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Every iteration waits at the runner until the block ends: admitted
+        requests stay unstarted for as long as a test needs them there (no
+        slow clock standing in). Nothing may call ``engine_call`` inside it."""
+        runner = self.loop.engine.runner
+        gate = threading.Event()
+        execute = runner.execute
+
+        def held_execute(batch):
+            gate.wait()
+            return execute(batch)
+
+        runner.execute = held_execute
+        try:
+            yield
+        finally:
+            gate.set()
+            del runner.execute  # the class's method again
+
+    def unstarted(self) -> int:
+        """Requests queued in the engine without a first token."""
+        return len(self.client.admission.unstarted)
 
     def engine_call(self, fn):
         """Run fn on the step thread (the only thread that may touch the engine)."""

@@ -112,16 +112,23 @@ async def test_a_request_with_a_huge_top_k_is_refused_and_spares_its_batch(serve
     assert frames["ok"][-1]["type"] == "done" and frames["ok"][-1]["usage"]["completion_tokens"] == 20
 
 
-@pytest.mark.slow
 async def test_the_waiting_limit_holds_under_a_burst():
-    """150 requests at once with room for 8: exactly 142 are refused, over HTTP and WebSocket."""
-    srv = sim_server(time_scale=300.0, settings=GatewaySettings(max_waiting=8), token_budget=80, max_num_seqs=64)
+    """150 requests at once over HTTP with room for 8: exactly 142 are refused
+    while the engine is held, and the 8 are served once it runs."""
+    srv = sim_server(settings=GatewaySettings(max_waiting=8), token_budget=80, max_num_seqs=64)
     try:
         body = {"prompt": "z", "max_tokens": 1}
         async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=httpx.Limits(max_connections=200)) as h:
-            replies = await asyncio.gather(*(h.post("/v1/completions", json=body) for _ in range(150)))
-        codes = [r.status_code for r in replies]
-        assert codes.count(429) == 142 and codes.count(200) == 8, sorted(set(codes))
+            with srv.held():
+                pending = {asyncio.create_task(h.post("/v1/completions", json=body)) for _ in range(150)}
+                refused = []
+                while len(refused) < 142:
+                    done, pending = await asyncio.wait(pending, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+                    assert done, f"{len(refused)} answered; the others are all waiting"
+                    refused += [t.result() for t in done]
+            admitted = await asyncio.gather(*pending)
+        assert [r.status_code for r in refused] == [429] * 142
+        assert [r.status_code for r in admitted] == [200] * 8
     finally:
         srv.stop()
 
@@ -335,9 +342,10 @@ async def test_openai_streams_cut_by_a_drain_finish_as_cancelled_not_stop():
 async def test_one_key_cannot_fill_the_whole_waiting_room():
     """A key that floods gets at most max_waiting_per_key of the room; another
     key is still admitted (before, the flood took all 256 places and every
-    other key got 429)."""
+    other key got 429). The engine is held until the other key's request is
+    queued beside the flood's four."""
     settings = GatewaySettings(max_waiting=8, max_waiting_per_key=4, api_keys=("flood", "other"))
-    srv = sim_server(time_scale=300.0, settings=settings, token_budget=80, max_num_seqs=64)
+    srv = sim_server(settings=settings, token_budget=80, max_num_seqs=64)
     try:
         body = {"prompt": "z", "max_tokens": 1}
         limits = httpx.Limits(max_connections=64)
@@ -345,15 +353,22 @@ async def test_one_key_cannot_fill_the_whole_waiting_room():
             httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits, headers={"X-API-Key": "flood"}) as flood,
             httpx.AsyncClient(base_url=srv.url, timeout=120, headers={"X-API-Key": "other"}) as other,
         ):
-            pending = {asyncio.create_task(flood.post("/v1/completions", json=body)) for _ in range(20)}
-            refused = []
-            while len(refused) < 16:  # the refusals come back at once; the 4 admitted wait on the slow engine
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                refused += [t.result() for t in done]
-            reply = await other.post("/v1/completions", json=body)
+            with srv.held():
+                pending = {asyncio.create_task(flood.post("/v1/completions", json=body)) for _ in range(20)}
+                refused = []
+                while len(refused) < 16:  # the refusals come back at once; the 4 admitted wait on the held engine
+                    done, pending = await asyncio.wait(pending, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+                    assert done, f"{len(refused)} refused; the others are all waiting"
+                    refused += [t.result() for t in done]
+                reply = asyncio.create_task(other.post("/v1/completions", json=body))
+                deadline = time.monotonic() + 20
+                while srv.unstarted() < 5 and not reply.done():  # the flood's four and the other key's one
+                    assert time.monotonic() < deadline, "the other key's request never reached the engine"
+                    await asyncio.sleep(0.005)  # polling a condition: the gateway runs on its own thread
+                assert not reply.done()  # not refused: queued beside the flood's four
             admitted = await asyncio.gather(*pending)
         assert all(r.status_code == 429 and "this API key" in r.json()["error"]["message"] for r in refused)
         assert [r.status_code for r in admitted] == [200] * 4
-        assert reply.status_code == 200
+        assert (await reply).status_code == 200
     finally:
         srv.stop()

@@ -260,13 +260,16 @@ async def test_a_ping_flood_does_not_stall_a_neighbours_stream(server):
 
 
 async def test_abandoned_sockets_full_of_generations_give_their_kv_back(server):
+    """Closed mid-generation, without a cancel. The client reads without a
+    queue limit: with websockets' default (16 messages unread) the client
+    stopped reading, the server, whose writes then backed up, stopped reading
+    it too, and the close handshake waited out the client's 10 s timeout."""
     for _ in range(3):
-        async with connect(server.ws_url) as ws:
+        async with connect(server.ws_url, max_queue=None) as ws:
             for i in range(32):
                 await send(ws, type="generate", id=f"g{i}", prompt="hi " * 200, max_tokens=4000, ignore_eos=True)
             while (await recv(ws))["type"] != "token":
                 pass
-        # closed mid-generation, without a cancel
     assert server.wait_kv_baseline() == 0
 
 

@@ -25,7 +25,7 @@ KEY = "k-one"
 
 @pytest.fixture(scope="module")
 def server():
-    s = sim_server(settings=GatewaySettings(header_timeout_s=2.0, body_timeout_s=3.0, stalled_connection_s=3.0))
+    s = sim_server(settings=GatewaySettings(header_timeout_s=1.0, body_timeout_s=1.5, stalled_connection_s=1.5))
     yield s
     s.stop()
 

@@ -134,7 +134,7 @@ def test_cluster_simulation_serves_every_turn_and_frees_kv(n: int) -> None:
 
 
 def test_cost_router_beats_cache_blind_routers_on_hit_rate_and_ttft_tail() -> None:
-    workload = ChatWorkload(conversations=60, rate_per_s=8.0, turns=4, system_tokens=512)
+    workload = ChatWorkload(conversations=30, rate_per_s=8.0, turns=4, system_tokens=512)
     cost = CostModel()
     rows = {}
     for name in ("cost", "round_robin", "least_loaded"):

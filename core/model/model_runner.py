@@ -84,11 +84,12 @@ class ModelRunner:
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.layers[0].gate_up.compact is not None else 0
         self.load_s = time.perf_counter() - start
 
-    def roofline(self) -> dict[str, float] | None:
-        """This machine's measured limits on one thread (CPU with the native kernels), for the profile."""
+    def roofline(self, seconds: float = 0.1) -> dict[str, float] | None:
+        """This machine's measured limits on one thread (CPU with the native
+        kernels), for the profile; ``seconds`` per figure and run."""
         if self.device.type != "cpu":
             return None
-        measured = roofline.measure()
+        measured = roofline.measure(seconds)
         return None if measured is None else measured.to_json()
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> object:
