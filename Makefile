@@ -45,11 +45,12 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the fast subset: no servers under load, browser, soak, Ray or real-model runs; the property
-# tests with a tenth of their examples; a module to each worker. Three workers on two cores: many
-# of these tests wait on a server or a slowed simulated engine (2-core Zen 4, 2026-12-04: 68 s
-# twice with three, 82 and 95 s with two, 67 s with four)
+# tests with a tenth of their examples; a module to each worker, a worker to each core. Once the
+# tests that waited on a 300x slower simulated engine held it instead, a third worker no longer
+# paid: 2-core Xeon, 2026-12-05, alternating: two workers 54.6 and 52.5 s (81-83 CPU-seconds),
+# three 53.9 and 54.8 s (97-99)
 test-fast: $(TEST_STAMP)
-	STALLFREE_FAST_TESTS=1 $(BIN)/python -m pytest -m "not slow" -n 3 --dist loadfile $(PYTEST_ARGS)
+	STALLFREE_FAST_TESTS=1 $(BIN)/python -m pytest -m "not slow" -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check --fix .

@@ -9,8 +9,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.core.sched.config import POLICIES
-from stallfree.core.sched.deadline import Forecast, Place, deadline_ns, slack_s
+from stallfree.core.sched.config import POLICIES, Policy
+from stallfree.core.sched.deadline import Forecast, Pace, Place, deadline_ns, slack_s
+from stallfree.core.sched.forecast import WaitingPlaces
 from stallfree.core.sched.policy import class_rank, overdue_before
 from stallfree.core.sched.request import RequestStatus
 from tests.simkit import examples, request, sim_engine
@@ -112,3 +113,20 @@ def test_the_deadline_heap_keeps_no_more_than_the_prompts_waiting():
         places.add(r)
         places.remove(r)
     assert len(places._by_due) <= 64 + 2
+
+
+def test_a_standing_prompt_leaves_its_sum_by_what_it_was_summed_under():
+    """Admission records a prompt's cached prefix before the queue lets it go,
+    so its tokens to prefill drop on the way out; under SJF they are its class.
+    Removal once looked the class up by the new count (KeyError: found by the
+    scheduler's property test with prefixes shared under a TTFT target)."""
+    places = WaitingPlaces()
+    places.places(0, Pace(64, 0.01), Policy.SJF, 0.05, {})  # sets the policy: standing prompts are summed
+    kept, leaving = request("kept", 6), request("leaving", 6)
+    for r in (kept, leaving):
+        places.add(r)  # no TTFT target: standing at once
+    leaving.num_computed_tokens = 4  # its prefix found in the cache
+    places.remove(leaving)
+    assert places.places(1, Pace(64, 0.01), Policy.SJF, 0.05, {}) == [
+        ((class_rank(Policy.SJF, 0, "", 6, {}), math.inf), 6)
+    ]

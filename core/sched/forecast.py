@@ -18,11 +18,14 @@ A waiting prompt's place is its policy class and its deadline, or infinity
 - lapsed: its deadline is past (no slack is left) and it has not yet waited
   past the ceiling: left out (late prompts go after any newcomer) until it has.
 
-A waiting prompt's deadline, arrival and tokens still to prefill do not
-change while it waits, and time only moves forward, so a prompt moves fresh
+A waiting prompt's deadline and arrival do not change while it waits, and
+time only moves forward, so a prompt moves fresh
 -> standing or fresh -> lapsed -> standing, each step once, taken in deadline
 order and in arrival order from two heaps. A change of policy or ceiling, or
-a clock that goes back, rebuilds the states from the prompts.
+a clock that goes back, rebuilds the states from the prompts. A prompt's tokens
+still to prefill can drop as it leaves (admission records its cached prefix
+before the queue lets it go), so a standing prompt leaves its class's sum
+by the key and tokens it was summed under.
 
 Sibling choices of one prompt (``prefill_after``) count differently while
 their sibling computes, so they are kept apart and read one by one.
@@ -78,6 +81,9 @@ class WaitingPlaces:
         self._by_due: list[tuple[int, int, str]] = []  # fresh, (deadline, stamp, id)
         self._by_arrival: list[tuple[int, int, str]] = []  # lapsed, (arrival, stamp, id)
         self._sums: dict[object, ClassSum] = {}  # standing prompts per class key
+        # what each standing prompt was summed under (class key, tokens): a prompt's tokens to
+        # prefill can drop while it waits (its prefix found in the cache), so removal reads these
+        self._summed: dict[str, tuple[object, int]] = {}
         self._policy: Policy | None = None
         self._max_defer_s: float | None = None
         self._now_ns = -math.inf
@@ -104,10 +110,11 @@ class WaitingPlaces:
         self._fresh.pop(rid, None)
         self._lapsed.pop(rid, None)
         self._stamp.pop(rid, None)
-        if self._standing.pop(rid, None) is not None and self._policy is not None:
-            key = self._key(req)
+        self._standing.pop(rid, None)
+        if (summed := self._summed.pop(rid, None)) is not None:
+            key, tokens = summed
             entry = self._sums[key]
-            entry.tokens -= req.num_pending_tokens
+            entry.tokens -= tokens
             entry.prompts -= 1
             if not entry.prompts:
                 del self._sums[key]
@@ -152,11 +159,11 @@ class WaitingPlaces:
         self._standing[req.request_id] = req
         if self._policy is None:
             return
-        entry = self._sums.setdefault(
-            self._key(req), ClassSum(0, 0, (req.priority, req.tenant, req.num_pending_tokens))
-        )
-        entry.tokens += req.num_pending_tokens
+        key, tokens = self._key(req), req.num_pending_tokens
+        entry = self._sums.setdefault(key, ClassSum(0, 0, (req.priority, req.tenant, tokens)))
+        entry.tokens += tokens
         entry.prompts += 1
+        self._summed[req.request_id] = (key, tokens)
 
     def _key(self, req: Request) -> object:
         """What the policy's class depends on (``class_rank``)."""
@@ -177,6 +184,7 @@ class WaitingPlaces:
         self._by_due.clear()
         self._by_arrival.clear()
         self._sums.clear()
+        self._summed.clear()
         self._policy, self._max_defer_s = policy, max_defer_s
         self._now_ns = -math.inf
         for req in members:
