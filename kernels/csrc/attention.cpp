@@ -540,6 +540,15 @@ void gather_v(const T* vc, const int64_t* off, int n, T* out) {
   }
 }
 
+// The KV tile of tokens [t0, t0 + n) as both products' operands: K^T into kt, V into vt.
+template <typename T, int D>
+void gather_tile(const T* kc, const T* vc, const Cache& c, int t0, int n, T* kt, T* vt) {
+  int64_t off[TKB];
+  c.offsets(t0, n, off);
+  gather_k<T, D>(kc, off, n, kt);
+  gather_v<T, D>(vc, off, n, vt);
+}
+
 // One row of a tile's probabilities, p = 2^(s * log2_scale - hi), stored as
 // T; returns their sum. bf16 probabilities keep 8 bits: a shorter polynomial.
 template <typename T>
@@ -603,13 +612,10 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
   T *kt = tiles.get(), *vt = kt + D * TKB;
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) std::copy_n(q + r * q_row_stride + g * D, D, &qbuf[(r * G + g) * D]);
-  int64_t off[TKB];
   const int kv_end = first_pos + rows;
   for (int t0 = 0; t0 < kv_end; t0 += TKB) {
     const int n = std::min(TKB, kv_end - t0);
-    c.offsets(t0, n, off);
-    gather_k<T, D>(kc, off, n, kt);
-    gather_v<T, D>(vc, off, n, vt);
+    gather_tile<T, D>(kc, vc, c, t0, n, kt, vt);
     // Rows below r_begin see nothing of this tile (it lies past them on the
     // causal diagonal): the products skip them, from a multiple of 64 rows
     // so that oneDNN sees few distinct shapes (it generates code per shape).
@@ -804,13 +810,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_tile_amx(const c10::BFl
   TileConfig config;
   for (int i = 0; i < 8; ++i) config.rows[i] = AMX_ROWS, config.colsb[i] = 64;
   _tile_loadconfig(&config);
-  int64_t off[TKB];
   const int kv_end = first_pos + rows;
   for (int t0 = 0; t0 < kv_end; t0 += TKB) {
     const int n = std::min(TKB, kv_end - t0);
-    c.offsets(t0, n, off);
-    gather_k<T, D>(kc, off, n, kt);
-    gather_v<T, D>(vc, off, n, vt);
+    gather_tile<T, D>(kc, vc, c, t0, n, kt, vt);
     const int r_begin = std::max(0, t0 - first_pos);  // rows before it see nothing of this tile
     int prev = -1, prev_cols = 0;                       // the previous pair, its probabilities in p[slot ^ 1]
     int slot = 0;
