@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,56 +18,13 @@ import pytest
 from websockets.asyncio.client import connect
 
 from bench.servers import StallfreeServer
-from stallfree.core.analysis.cost_model import CostModel, HardwareSpec
-from stallfree.core.analysis.sim_runner import SimRunner
-from stallfree.core.sched.config import CacheConfig, SchedulerConfig
-from stallfree.core.sched.engine import Engine, StepOutput
-from stallfree.core.sched.engine_process import BuiltEngine
+from stallfree.core.sched.engine import StepOutput
 from stallfree.core.sched.request import FinishReason
 from stallfree.core.sched.step_loop import EngineStopped
 from stallfree.gateway.engine.process import EngineProcess, EngineStartFailed
+from tests.engines import broken_factory, fast_engine, hanging_engine, interval_engine, thread_engine
 from tests.simkit import request
 from tests.wsclient import collect, send
-
-FAST = HardwareSpec("fast", 400e12, 15e12, 0.001)  # about 1 ms an iteration
-
-
-class HangingRunner(SimRunner):
-    """Never returns from an iteration that holds a request named ``hang-*``."""
-
-    def execute(self, batch):  # type: ignore[no-untyped-def]
-        if any(item.request.request_id.startswith("hang") for item in batch.items):
-            threading.Event().wait()
-        return super().execute(batch)
-
-
-def fast_engine(hang: bool = False) -> BuiltEngine:
-    """A simulated engine of about 1 ms an iteration (built in the engine process)."""
-    runner = (HangingRunner if hang else SimRunner)(CostModel(hardware=FAST), 4)
-    engine = Engine(SchedulerConfig(token_budget=64, max_num_seqs=16), CacheConfig(512, 4), runner)
-    return BuiltEngine(engine, "test-sim", {"runner": "test"})
-
-
-def hanging_engine() -> BuiltEngine:
-    return fast_engine(hang=True)
-
-
-def interval_engine() -> BuiltEngine:
-    """The fast engine, telling the switch interval its process runs under."""
-    built = fast_engine()
-    built.facts["switch_interval_s"] = sys.getswitchinterval()
-    return built
-
-
-def thread_engine() -> BuiltEngine:
-    """The fast engine, telling whether it was built on the engine process's main thread."""
-    built = fast_engine()
-    built.facts["built_on_main"] = threading.current_thread() is threading.main_thread()
-    return built
-
-
-def broken_factory() -> BuiltEngine:
-    raise ValueError("no such model: nowhere.gguf")
 
 
 class Recorder:
@@ -225,7 +181,7 @@ def test_a_factory_that_fails_is_reported_at_start():
 _ORPHAN = """
 import sys, time
 from stallfree.gateway.engine.process import EngineProcess
-from tests.test_engine_process import fast_engine
+from tests.engines import fast_engine
 p = EngineProcess(fast_engine)
 print(p.process.pid, flush=True)
 time.sleep(600)

@@ -21,27 +21,17 @@ from openai import OpenAI
 from websockets.asyncio.client import connect
 
 from bench.servers import StallfreeServer
-from stallfree.core.analysis.cost_model import CostModel
-from stallfree.core.analysis.sim_runner import SimRunner
-from stallfree.core.sched.config import CacheConfig, SchedulerConfig
-from stallfree.core.sched.engine import Engine
-from stallfree.core.sched.engine_process import BuiltEngine, _Sender
+from stallfree.core.sched.engine_process import _Sender
 from stallfree.core.sched.wire import Fatal, Frames, decode
 from stallfree.gateway.engine.backend import EngineBusy
 from stallfree.gateway.engine.process import EngineProcess
+from tests.engines import roomy_engine
 from tests.server import sim_server
 from tests.simkit import request
-from tests.test_engine_process import FAST, Recorder, result, until
+from tests.test_engine_process import Recorder, result, until
 from tests.wsclient import recv, send
 
 LONG_PROMPT = 7000  # tokens: a pickled submit of about 20 KiB, as the issue's probe sent
-
-
-def roomy_engine() -> BuiltEngine:
-    """Fast iterations with room for 7,000-token prompts (built in the engine process)."""
-    runner = SimRunner(CostModel(hardware=FAST), 16, time_scale=0.01)
-    engine = Engine(SchedulerConfig(token_budget=1024, max_num_seqs=16), CacheConfig(8192, 16), runner)
-    return BuiltEngine(engine, "test-sim")
 
 
 def engine_pid(server: StallfreeServer) -> int:
