@@ -235,12 +235,40 @@ def test_the_aim_counts_an_iteration_once_per_decode_as_the_slos_p99_counts_toke
     decoding(e, 1, max_tokens=5000)
     crowded = 0
     for i in range(450):
+        if not e.scheduler.waiting and e.scheduler.num_partial_prefills == 0:
+            e.add_request(request(f"p{i}", 400, max_tokens=1))  # prefill to size, all the time
         if i % 150 == 0:
             for j in range(20):  # prefilled together, then one decode each, all beside d0
                 e.add_request(request(f"s{i}-{j}", 4, max_tokens=2))
-        crowded += e.step().iteration.decode_tokens >= 10
+        it = e.step().iteration
+        assert it.prefill_tokens > 0
+        crowded += it.decode_tokens >= 10
     assert crowded == 3
     assert e.scheduler.aim.value == pytest.approx(1 / 1.25)
+
+
+class SlowDecodesOnly(FakeCost):
+    """The runner's time: FakeCost's, but twice it for an iteration with no prefill."""
+
+    def iteration_s(self, decode_contexts, chunks) -> float:
+        return super().iteration_s(decode_contexts, chunks) * (1.0 if chunks else 2.0)
+
+
+def test_a_slow_decode_only_iteration_leaves_the_chunks_sized_to_the_whole_target():
+    # decode-only iterations run twice their prediction, far within the target:
+    # nothing in them was sized, so the chunks of the mixed ones still take all of it
+    config = {"token_budget": 256, "max_num_seqs": 64, "tbt_slo_ms": 50.0, "max_model_len": 65_536}
+    e = sim_engine(8192, 16, cost=FakeCost(), runs=SlowDecodesOnly(), **config)
+    decoding(e, 4, max_tokens=5000)
+    kinds = set()
+    for i in range(200):
+        if i % 4 == 0:
+            e.add_request(request(f"p{i}", 40, max_tokens=1))  # one chunk, then a decode-only iteration
+        it = e.step().iteration
+        kinds.add(it.prefill_tokens > 0)
+        assert it.duration_ns <= 50_000_000
+    assert kinds == {True, False}
+    assert e.scheduler.aim.value == 1.0
 
 
 def test_a_weighted_percentile_counts_each_value_as_often_as_its_weight():
