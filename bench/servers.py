@@ -15,6 +15,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results"
 VLLM = ROOT / "bench" / "peers" / "vllm"  # install.sh, convert.sh and start.sh for the peer
+# `stallfree serve` on the model holds TBT and TTFT targets derived from its profile unless told
+# (core.analysis.targets): a run of a fixed token budget, or that sets its targets live, starts without
+NO_TARGETS = ("--tbt-slo-ms", "0", "--ttft-slo-ms", "0")
 
 
 def tree_env(checkout: Path, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -244,6 +244,7 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
     """The engine the command line asks for (the simulated runner or the model),
     built where it will run, with what the start-up log says of it."""
     from stallfree.core.analysis.profiler import Profile, choose_budget
+    from stallfree.core.analysis.targets import derived_targets
     from stallfree.core.sched.engine_process import BuiltEngine
 
     if args.sim:
@@ -265,14 +266,20 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
         settings_model.threads = os.cpu_count() or 1
     runner = load_runner(settings_model)
     # a target in time, the auto budget, dynamic chunking and the drafts' cost rule deserve a fitted
-    # model, measured now if none is saved
-    targets = bool(config.tbt_slo_ms or config.ttft_slo_ms)
+    # model, measured now if none is saved; a target not set is derived from it (core.analysis.targets)
+    derive = args.tbt_slo_ms is None or args.ttft_slo_ms is None
+    targets = derive or bool(config.tbt_slo_ms or config.ttft_slo_ms)
     measure = auto_budget or bool(args.dynamic_chunking) or targets or config.speculate != "off"
     prof, source = startup_profile(runner, args.profile, measure)
     engine = engine_over(runner, config, prof)
     facts = runner_facts(runner) | {
         "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
     }
+    if derive and prof is not None:
+        derived = derived_targets(prof.cost_model)
+        unset = {"tbt_slo_ms": derived.tbt_slo_ms, "ttft_slo_ms": derived.ttft_slo_ms}
+        engine.warnings += engine.reconfigure({name: v for name, v in unset.items() if getattr(args, name) is None})
+        facts["targets_basis"] = f"derived from the profile where not set: {derived.basis}"
     if auto_budget:
         assert prof is not None
         budget, how = choose_budget(prof.points, args.tpot_slo_ms)

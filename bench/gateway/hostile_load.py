@@ -422,8 +422,7 @@ def main() -> None:
     args = ap.parse_args()
     raise_file_limit()  # this process holds 1,200 sockets at once
     serve = ["--engine", args.engine, *(["--sim"] if args.sim else ["--threads", "1"])]
-    if args.tbt_slo_ms:
-        serve += ["--tbt-slo-ms", f"{args.tbt_slo_ms:g}"]
+    serve += ["--tbt-slo-ms", f"{args.tbt_slo_ms:g}", "--ttft-slo-ms", "0"]
     key = KEY if args.round4 else None
     server = StallfreeServer(*serve, *(["--api-key", KEY] if key else []))
     port, pid = server.port, server.proc.pid

@@ -67,7 +67,7 @@ def main() -> None:
     base = ["--sim"] if args.sim else ["--threads", "1"]
     runs = []
     for target in (0.0, args.tbt_slo_ms):
-        server = StallfreeServer(*base, *(["--tbt-slo-ms", f"{target:g}"] if target else []))
+        server = StallfreeServer(*base, "--tbt-slo-ms", f"{target:g}", "--ttft-slo-ms", "0")
         try:
             result = {"tbt_slo_ms": target, **asyncio.run(measure(server, args.seconds))}
         finally:

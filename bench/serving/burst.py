@@ -4,9 +4,11 @@ and what does chunking do to the decoders meanwhile?
 
     .venv/bin/python -m bench.serving.burst [--repeats 2] [--prompts 4] [--tokens 1500]
 
-Starts `stallfree serve` (embedded model, one torch thread, budget 512) and
-alternates chunking stall_free / none through /api/config (A B A B).
-Writes a new bench/results/burst-<date>.{json,md}.
+Starts `stallfree serve` as it comes (embedded model, every core: its
+defaults, the TBT and TTFT targets it derives from its profile included) and
+alternates three settings through /api/config (A B C A B C): those defaults;
+the token budget (512) alone, no targets (the default before targets were
+derived); and chunking none. Writes a new bench/results/burst-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 
 import httpx
 
-from bench.record import dated, table
+from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.loadtest.clients import StallfreeTarget
@@ -36,15 +38,23 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=8)
     args = ap.parse_args()
     tokenizer = load_tokenizer()
-    server = StallfreeServer("--threads", "1", "--token-budget", "512", "--max-model-len", "4096")
+    server = StallfreeServer("--max-model-len", "4096")
     port = server.port
     rows = []
     try:
+        config = httpx.get(f"http://127.0.0.1:{port}/api/config", timeout=30).json()["scheduler"]
+        derived = {name: config[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}
+        untargeted = {"tbt_slo_ms": 0, "ttft_slo_ms": 0}
+        settings = {
+            "serve's default": {"chunking": "stall_free", **derived},
+            f"budget {config['token_budget']}, no targets": {"chunking": "stall_free", **untargeted},
+            "chunking none": {"chunking": "none", **untargeted},
+        }
         target = StallfreeTarget(f"ws://127.0.0.1:{port}/v1/stream")
         seed = 100
         for rep in range(args.repeats):
-            for mode in ("stall_free", "none"):
-                httpx.put(f"http://127.0.0.1:{port}/api/config", json={"chunking": mode}, timeout=30)
+            for mode, setting in settings.items():
+                httpx.put(f"http://127.0.0.1:{port}/api/config", json=setting, timeout=30).raise_for_status()
                 seed += 1
                 make = PromptMaker(tokenizer, seed)
                 decode_tokens = 40 + args.prompts * args.tokens // 40
@@ -69,20 +79,23 @@ def main() -> None:
         server.stop()
     command = ("python -m bench.serving.burst " + " ".join(sys.argv[1:])).strip()
     base = dated("burst")
-    base.with_suffix(".json").write_text(json.dumps({"command": command, "args": vars(args), "rows": rows}, indent=2))
+    record = {"command": command, "machine": machine(), "args": vars(args), "derived": derived, "rows": rows}
+    base.with_suffix(".json").write_text(json.dumps(record, indent=2))
     lines = [
         f"# Burst: {args.prompts} prompts of {args.tokens} tokens at once, {args.decoders} users decoding "
-        "(embedded SmolLM2, 1 thread, budget 512)",
+        "(embedded SmolLM2, serve's default threads: every core)",
         "",
-        f"`{command}` — medians of {args.repeats} alternating runs.",
+        f"`{command}` on {describe(record['machine'])} — medians of {args.repeats} alternating runs. "
+        f"serve's default derived a TBT target of {derived['tbt_slo_ms']:g} ms and a TTFT target of "
+        f"{derived['ttft_slo_ms']:g} ms from its profile.",
         "",
     ]
     keys = ("first_ttft_ms", "last_ttft_ms", "decoder_itl_p50_ms", "decoder_itl_p99_ms", "decoder_max_gap_ms")
     cells = []
-    for mode in ("stall_free", "none"):
+    for mode in settings:
         rs = [r for r in rows if r["mode"] == mode]
         cells.append([mode, *(f"{statistics.median(r[k] for r in rs):.0f}" for k in keys)])
-    header = ["chunking", "first TTFT ms", "last TTFT ms", "decoders' ITL p50 ms", "p99 ms", "max gap ms"]
+    header = ["setting", "first TTFT ms", "last TTFT ms", "decoders' ITL p50 ms", "p99 ms", "max gap ms"]
     lines += table(header, cells, "lrrrrr")
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -61,7 +61,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.servers import NO_TARGETS, ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
 from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from stallfree.core.analysis.online_cost import OnlineCost
 from stallfree.core.analysis.profiler import Profile, choose_budget
@@ -175,6 +175,7 @@ def main() -> None:
     sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
+        *NO_TARGETS,
         log=logs / "capacity-stallfree.log",
     )
     sf_port = sf.port

@@ -35,7 +35,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.servers import NO_TARGETS, VLLM, StallfreeServer, free_port, start_vllm, stop
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.model_runner import resolve_dtype
 from stallfree.loadtest.clients import OpenAITarget, StallfreeTarget
@@ -66,6 +66,7 @@ def start_engine_stallfree(
         "64",
         "--max-model-len",
         "4096",
+        *NO_TARGETS,
         log=log,
     )
 

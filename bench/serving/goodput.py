@@ -59,7 +59,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import ROOT, VLLM, StallfreeServer, free_port, stop
+from bench.servers import NO_TARGETS, ROOT, VLLM, StallfreeServer, free_port, stop
 from bench.serving.capacity import (
     MAX_MODEL_LEN,
     MODEL_DIR,
@@ -161,6 +161,7 @@ def main() -> None:
     sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
+        *NO_TARGETS,
         log=logs / "goodput-stallfree.log",
     )
     vl_port = free_port()

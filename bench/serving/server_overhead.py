@@ -44,7 +44,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
-from bench.servers import ROOT, StallfreeServer
+from bench.servers import NO_TARGETS, ROOT, StallfreeServer
 from stallfree.core.sched.timings import percentile
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -177,7 +177,8 @@ def main() -> None:
             checkouts = [ROOT, args.baseline] if args.baseline else [ROOT]
             checkouts = checkouts[::-1] if rep % 2 else checkouts  # ABBA: neither checkout always runs second
             for engine, extra, checkout in ((e, v, c) for e in engines for v in variants for c in checkouts):
-                flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8), *extra)
+                flags = ("--engine", engine, "--threads", str(t), "--max-num-seqs", str(max(streams) + 8))
+                flags += (*NO_TARGETS, *extra)
                 server = StallfreeServer(*flags, checkout=checkout)
                 named = f"--engine {engine}{' ' + ' '.join(extra) if extra else ''}{at}"
                 named = named if checkout == ROOT else f"baseline {named}"

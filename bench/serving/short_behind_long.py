@@ -22,7 +22,7 @@ import sys
 import httpx
 
 from bench.record import dated, describe, machine, table
-from bench.servers import StallfreeServer
+from bench.servers import NO_TARGETS, StallfreeServer
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.loadtest.clients import StallfreeTarget
 from stallfree.loadtest.runner import run_jobs
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=40)
     args = ap.parse_args()
     tokenizer = load_tokenizer()
-    server = StallfreeServer("--threads", "1", "--token-budget", "256", "--max-model-len", "4096")
+    server = StallfreeServer("--threads", "1", "--token-budget", "256", "--max-model-len", "4096", *NO_TARGETS)
     port = server.port
     url = f"http://127.0.0.1:{port}"
     rows = []

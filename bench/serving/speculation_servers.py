@@ -35,7 +35,7 @@ import torch
 
 from bench.engine.speculation import messages
 from bench.record import dated, describe, machine, table
-from bench.servers import OUT, VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.servers import NO_TARGETS, OUT, VLLM, StallfreeServer, free_port, start_vllm, stop
 from stallfree.core.model.model_runner import resolve_dtype
 
 MODEL_DIR = VLLM / "smollm2-hf"
@@ -113,6 +113,7 @@ def main() -> None:
     sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--speculate", "ngram", *profile),  # speculating, it measures a profile if none is saved for these weights
+        *NO_TARGETS,
         log=logs / "speculation-stallfree.log",
     )
     ports = {"vllm": free_port(), "vllm-ngram": free_port()}

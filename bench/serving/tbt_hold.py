@@ -39,7 +39,7 @@ import torch
 from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
-from bench.servers import StallfreeServer
+from bench.servers import NO_TARGETS, StallfreeServer
 from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS
 from stallfree.core.analysis.traces import read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
@@ -205,6 +205,7 @@ def main() -> None:
     sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", args.profile),
+        *NO_TARGETS,
     )
     runs: list[TrialRecord] = []
     try:

@@ -60,7 +60,8 @@ def main() -> None:
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     serve = ["--model", str(MODEL_DIR), "--threads", "1", "--max-num-seqs", "64", "--max-model-len", "4096"]
-    serve += ["--tbt-slo-ms", "100"]  # a target at start-up: the server fits (or loads) its profile
+    # a target at start-up: the server fits (or loads) its profile
+    serve += ["--tbt-slo-ms", "100", "--ttft-slo-ms", "0"]
     if args.profile:
         serve += ["--profile", str(args.profile)]
     sf = StallfreeServer(*serve, log=logs / "trace_sweep-stallfree.log")

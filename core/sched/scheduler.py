@@ -31,9 +31,10 @@ and the batch says why it may run over (``Batch.over_target``). Chunks are
 sized to ``aim`` x the target: 1 over the 99.9th percentile of the gap
 decodes got (an iteration's end to the previous one's) over its predicted
 time, in the last 256 iterations whose prefill was sized to a target (not
-decode-only ones: ``core.sched.aim``), each counted once per decode in it. The SLO's P99 is over tokens: one slow iteration with 30
-decodes puts 30 gaps in the tail, and a few hundred iterations' P99 is set by
-their one or two worst crowded ones, so the aim covers those, not the 99th.
+decode-only ones: ``core.sched.aim``), each counted once per decode in it.
+The SLO's P99 is over tokens: one slow iteration with 30 decodes puts 30 gaps
+in the tail, and a few hundred iterations' P99 is set by their one or two
+worst crowded ones, so the aim covers those, not the 99th.
 
 With ``dynamic_chunking`` every iteration, the decodes and all its chunks, is
 also kept within the predicted time of a budget-sized chunk with no prefix
