@@ -168,8 +168,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "--tbt-slo-ms",
         type=float,
         help="TBT target: while decodes run, each iteration's prefill is cut so its predicted time stays "
-        "within this many ms; 0: off, the token budget alone (serve's default on the model: 5 x its predicted "
-        "decode-only iteration of 8 decodes; elsewhere 0)",
+        "within this many ms; 0: off, the token budget alone (serve's default on the model: 5 x the "
+        "decode-only iteration of 8 decodes it measures at start-up; elsewhere 0)",
     )
     g.add_argument(
         "--ttft-slo-ms",

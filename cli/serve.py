@@ -244,7 +244,7 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
     """The engine the command line asks for (the simulated runner or the model),
     built where it will run, with what the start-up log says of it."""
     from stallfree.core.analysis.profiler import Profile, choose_budget
-    from stallfree.core.analysis.targets import derived_targets
+    from stallfree.core.analysis.targets import derived_targets, measured_decode_s
     from stallfree.core.sched.engine_process import BuiltEngine
 
     if args.sim:
@@ -266,7 +266,7 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
         settings_model.threads = os.cpu_count() or 1
     runner = load_runner(settings_model)
     # a target in time, the auto budget, dynamic chunking and the drafts' cost rule deserve a fitted
-    # model, measured now if none is saved; a target not set is derived from it (core.analysis.targets)
+    # model, measured now if none is saved; a target not set is derived (core.analysis.targets)
     derive = args.tbt_slo_ms is None or args.ttft_slo_ms is None
     targets = derive or bool(config.tbt_slo_ms or config.ttft_slo_ms)
     measure = auto_budget or bool(args.dynamic_chunking) or targets or config.speculate != "off"
@@ -275,11 +275,11 @@ def local_engine(args: argparse.Namespace, config: SchedulerConfig, auto_budget:
     facts = runner_facts(runner) | {
         "cost_model": source if prof is not None else "prior (no profile saved: run `stallfree profile`)",
     }
-    if derive and prof is not None:
-        derived = derived_targets(prof.cost_model)
-        unset = {"tbt_slo_ms": derived.tbt_slo_ms, "ttft_slo_ms": derived.ttft_slo_ms}
-        engine.warnings += engine.reconfigure({name: v for name, v in unset.items() if getattr(args, name) is None})
-        facts["targets_basis"] = f"derived from the profile where not set: {derived.basis}"
+    if derive:  # the decode probe runs before any target is set: its iterations are the engine's first
+        derived = derived_targets(measured_decode_s(engine) if args.tbt_slo_ms is None else None)
+        unset = {name: v for name, v in derived.settings.items() if getattr(args, name) is None}
+        engine.warnings += engine.reconfigure(unset)
+        facts["targets_basis"] = f"derived where not set: {derived.basis}"
     if auto_budget:
         assert prof is not None
         budget, how = choose_budget(prof.points, args.tpot_slo_ms)

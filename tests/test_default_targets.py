@@ -1,6 +1,7 @@
-"""`stallfree serve` on the model holds a TBT and a TTFT target out of the box,
-derived from the profile it starts from (issue 50: the default is the
-configuration that wins); a target set on the command line, 0 included, is kept."""
+"""`stallfree serve` on the model holds a TBT and a TTFT target out of the box
+(issue 50: the default is the configuration that wins): the TBT target 5 x the
+decode-only iteration it measures before serving; a target set on the command
+line, 0 included, is kept."""
 
 from __future__ import annotations
 
@@ -12,12 +13,35 @@ import pytest
 from stallfree.cli import build_parser
 from stallfree.cli.options import scheduler_config
 from stallfree.cli.serve import local_engine
-from stallfree.core.analysis import profiler
-from stallfree.core.analysis.capacity_search import STRICT
-from stallfree.core.analysis.profiler import Profile
-from stallfree.core.analysis.targets import SLO_CONTEXT, SLO_DECODES, TTFT_TARGET_MS, derived_targets
+from stallfree.core.analysis import profiler, targets
+from stallfree.core.analysis.targets import SLO_DECODES, TTFT_TARGET_MS, measured_decode_s
+from tests.simkit import sim_engine
 
 TINY = ["serve", "--model", "tiny", "--dtype", "fp32", "--threads", "1", "--kv-cache-gib", "0.01"]
+
+
+class EightDecodesCost:
+    """10 ms an iteration, 1 ms a decode, 0.5 ms a prompt token (the simulated runner charges it exactly)."""
+
+    def iteration_s(self, decode_contexts, chunks) -> float:
+        return (10.0 + len(decode_contexts) + sum(0.5 * n for _, n in chunks)) / 1e3
+
+    def observe(self, decode_contexts, chunks, measured_s) -> None:
+        pass
+
+    def correction(self, with_prefill) -> float:
+        return 1.0
+
+
+def test_the_decode_probe_times_eight_decodes_and_leaves_the_engine_idle():
+    e = sim_engine(4096, 16, cost=EightDecodesCost(), token_budget=512, max_num_seqs=64)
+    assert measured_decode_s(e) == pytest.approx((10 + SLO_DECODES) / 1e3)
+    assert not e.has_work and e.kv.num_used_blocks == 0
+
+
+def test_with_fewer_sequences_allowed_the_probe_decodes_that_many():
+    e = sim_engine(4096, 16, cost=EightDecodesCost(), token_budget=512, max_num_seqs=4)
+    assert measured_decode_s(e) == pytest.approx(14 / 1e3)
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +58,24 @@ def started(flags: list[str]):
     return local_engine(args, scheduler_config(args, {}), False)
 
 
-def test_serve_derives_both_targets_from_the_profile_it_measured(profiles):
+def test_serve_sets_both_targets_from_the_decode_iteration_it_measured(profiles, monkeypatch):
+    probed = []
+    monkeypatch.setattr(targets, "measured_decode_s", lambda engine: probed.append(engine) or 0.0123)
     built = started([])
-    saved = Profile.load(profiles / "1t.json")  # the quick profile the start measured
-    decode_ms = saved.cost_model.iteration_s([SLO_CONTEXT] * SLO_DECODES, []) * 1e3
+    assert probed == [built.engine]
+    assert (built.engine.config.tbt_slo_ms, built.engine.config.ttft_slo_ms) == (61.5, TTFT_TARGET_MS)
+    assert "12.3 ms" in str(built.facts["targets_basis"])
+
+
+def test_the_real_probe_runs_on_the_model_and_leaves_its_kv_free(profiles):
+    built = started(["--ttft-slo-ms", "0"])
     config = built.engine.config
-    assert config.tbt_slo_ms > 0
-    assert config.tbt_slo_ms == pytest.approx(STRICT * decode_ms, abs=0.05)
-    assert config.tbt_slo_ms == derived_targets(saved.cost_model).tbt_slo_ms
-    assert config.ttft_slo_ms == TTFT_TARGET_MS
-    assert "decode-only iteration" in str(built.facts["targets_basis"])
+    assert config.tbt_slo_ms > 0 and config.ttft_slo_ms == 0.0
+    assert not built.engine.has_work and built.engine.kv.num_used_blocks == 0
 
 
-def test_a_target_set_on_the_command_line_is_kept_and_zero_is_off(profiles):
-    config = started(["--tbt-slo-ms", "0", "--ttft-slo-ms", "500"]).engine.config
-    assert (config.tbt_slo_ms, config.ttft_slo_ms) == (0.0, 500.0)
+def test_a_target_set_on_the_command_line_is_kept_and_zero_is_off(profiles, monkeypatch):
+    monkeypatch.setattr(targets, "measured_decode_s", lambda engine: pytest.fail("no TBT target to derive"))
     config = started(["--tbt-slo-ms", "75"]).engine.config
     assert (config.tbt_slo_ms, config.ttft_slo_ms) == (75.0, TTFT_TARGET_MS)
     built = started(["--tbt-slo-ms", "0", "--ttft-slo-ms", "0"])
