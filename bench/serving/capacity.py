@@ -24,6 +24,8 @@ time, measured here at the start of the run as the median gap of 8 streams
 decoding, on each engine; the slower engine's sets both SLOs.
 
 Configurations, each searched for each trace and SLO:
+- stallfree's default: the TBT and TTFT targets `stallfree serve` derived
+  when it started (``core.analysis.targets``), whatever the SLO;
 - stallfree with the TBT target set to the SLO (the default token budget,
   512, the most a chunk takes when nobody decodes);
 - stallfree at each ``--stallfree-budgets`` fixed token budget, no target
@@ -61,7 +63,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import NO_TARGETS, ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
 from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from stallfree.core.analysis.online_cost import OnlineCost
 from stallfree.core.analysis.profiler import Profile, choose_budget
@@ -121,7 +123,8 @@ TRACE_SPECS = {
 class Run:
     """One search: an engine configuration, a trace and an SLO."""
 
-    engine: str  # stallfree-tbt, stallfree-<budget> (or stallfree-budget: the recipe's), vllm-<budget>
+    # stallfree-default, stallfree-tbt, stallfree-<budget> (or stallfree-budget: the recipe's), vllm-<budget>
+    engine: str
     trace: str
     slo_name: str
     search: Search
@@ -175,11 +178,13 @@ def main() -> None:
     sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
-        *NO_TARGETS,
         log=logs / "capacity-stallfree.log",
     )
     sf_port = sf.port
     sf_url = f"http://127.0.0.1:{sf_port}"
+    started = httpx.get(sf_url + "/api/config", timeout=30).json()["scheduler"]
+    default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}  # the targets serve derived
+    doc["stallfree_default"] = default
     vl_port = free_port()
     vl = vllm_at(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
     runs: list[Run] = []
@@ -201,9 +206,11 @@ def main() -> None:
         sf_budgets = [int(b) for b in args.stallfree_budgets.split(",") if b and b != "none"]
         sf_budgets = [0] if args.stallfree_budgets == "none" else sf_budgets
         trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup)
-        doc["predicted"] = predict(traces, rows, slos, profile, budgets, sf_budgets, args.requests)
+        doc["predicted"] = predict(traces, rows, slos, profile, default, budgets, sf_budgets, args.requests)
         write(base, doc)
-        runs = plan(traces, slos, profile, doc["predicted"], budgets, sf_budgets, args.max_trials, args.speculate)
+        runs = plan(
+            traces, slos, profile, default, doc["predicted"], budgets, sf_budgets, args.max_trials, args.speculate
+        )
         confirmed: list[Run] = []
         for budget in budgets:
             if budget != budgets[0]:
@@ -219,7 +226,7 @@ def main() -> None:
             confirmed += active
         same_rate(runs, trial, doc, base)
         doc["predicted_corrected"] = predict(
-            traces, rows, slos, profile, [], sf_budgets, args.requests, learnt_corrections(doc["trials"])
+            traces, rows, slos, profile, default, [], sf_budgets, args.requests, learnt_corrections(doc["trials"])
         )
     finally:
         stop(vl)
@@ -293,6 +300,7 @@ def predict(
     rows: dict[str, list[TraceRequest]],
     slos: dict[str, SLO],
     profile: Profile,
+    default: dict[str, float],
     budgets: list[int],
     sf_budgets: list[int],
     count: int,
@@ -309,7 +317,7 @@ def predict(
             cost = OnlineCost(profile.cost_model, corrections=corrected.get(t.name, (1.0, 1.0)))
         out[t.name] = {}
         for slo_name, slo in slos.items():
-            configs = {**stallfree_configs(slo, profile, budgets=sf_budgets)}
+            configs = {**stallfree_configs(slo, profile, default, budgets=sf_budgets)}
             configs |= {f"vllm-{b}": {"tbt_slo_ms": 0.0, "token_budget": b} for b in budgets}
             out[t.name][slo_name] = {}
             for engine, config in configs.items():
@@ -328,23 +336,31 @@ def predict(
 
 
 def stallfree_configs(
-    slo: SLO, profile: Profile, speculate: str = "off", budgets: list[int] | None = None
+    slo: SLO, profile: Profile, default: dict[str, float], speculate: str = "off", budgets: list[int] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """The TBT target, and each fixed budget of ``budgets`` (none: the recipe's, for
-    this SLO; ``[0]``: no fixed budget)."""
-    out = {"stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "token_budget": TBT_BUDGET, "speculate": speculate}}
+    """serve's default (``default``: the targets it derived at start-up, whatever the SLO),
+    the TBT target at the SLO, and each fixed budget of ``budgets`` (none: the
+    recipe's, for this SLO; ``[0]``: no fixed budget). Every one names both
+    targets: a trial's settings are live and would otherwise carry over."""
+    out = {
+        "stallfree-default": {**default, "token_budget": TBT_BUDGET, "speculate": speculate},
+        "stallfree-tbt": {"tbt_slo_ms": slo.tbt_p99_ms, "ttft_slo_ms": 0.0, "token_budget": TBT_BUDGET},
+    }
+    out["stallfree-tbt"]["speculate"] = speculate
+    fixed = {"tbt_slo_ms": 0.0, "ttft_slo_ms": 0.0, "speculate": speculate}
     if budgets == [0]:
         return out
     if budgets:
-        return out | {f"stallfree-{b}": {"tbt_slo_ms": 0.0, "token_budget": b, "speculate": speculate} for b in budgets}
+        return out | {f"stallfree-{b}": {**fixed, "token_budget": b} for b in budgets}
     budget, _ = choose_budget(profile.points, slo.tbt_p99_ms)
-    return out | {"stallfree-budget": {"tbt_slo_ms": 0.0, "token_budget": budget, "speculate": speculate}}
+    return out | {"stallfree-budget": {**fixed, "token_budget": budget}}
 
 
 def plan(
     traces: list[TraceSpec],
     slos: dict[str, SLO],
     profile: Profile,
+    default: dict[str, float],
     predicted: dict[str, dict[str, dict[str, float]]],
     budgets: list[int],
     sf_budgets: list[int],
@@ -358,7 +374,7 @@ def plan(
         shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets}
         for slo_name, slo in slos.items():
             guess = predicted[t.name][slo_name]
-            for engine, config in stallfree_configs(slo, profile, speculate, sf_budgets).items():
+            for engine, config in stallfree_configs(slo, profile, default, speculate, sf_budgets).items():
                 first = max(guess[engine], 0.05)
                 found = Search(slo, first, TOLERANCE, max_trials=max_trials, lowest=first / 16)
                 runs.append(Run(engine, t.name, slo_name, found))
@@ -510,13 +526,16 @@ def best_vllm(runs: list[Run], trace: str, slo_name: str) -> Run | None:
 
 
 def best_of(runs: list[Run], prefix: str, trace: str, slo_name: str) -> Run | None:
-    """The highest capacity among the searches of engines named ``prefix...`` (the TBT target aside)."""
+    """The highest capacity among the searches of engines named ``prefix...`` (the targets aside)."""
     found = [
         r
         for r in runs
-        if r.engine.startswith(prefix) and r.engine != "stallfree-tbt" and (r.trace, r.slo_name) == (trace, slo_name)
+        if r.engine.startswith(prefix) and r.engine not in TARGETED and (r.trace, r.slo_name) == (trace, slo_name)
     ]
     return max(found, key=lambda r: r.search.result.rate, default=None)
+
+
+TARGETED = ("stallfree-default", "stallfree-tbt")  # stallfree's searches that are not a fixed budget
 
 
 def trial_json(trial: Trial, r: Run) -> dict[str, Any]:
@@ -535,10 +554,12 @@ def capacity_table(
     for trace in dict.fromkeys(r.trace for r in runs):
         for slo_name, slo in slos.items():
             cell: dict[str, Any] = {"trace": trace, "slo": slo_name, "slo_ms": slo.tbt_p99_ms}
-            tbt = next(x for x in runs if (x.engine, x.trace, x.slo_name) == ("stallfree-tbt", trace, slo_name))
+            default, tbt = (
+                next(x for x in runs if (x.engine, x.trace, x.slo_name) == (name, trace, slo_name)) for name in TARGETED
+            )
             fixed = best_of(runs, "stallfree-", trace, slo_name)
             cell["stallfree-budget"] = None
-            for column, r in (("stallfree-tbt", tbt), ("stallfree-budget", fixed)):
+            for column, r in (("stallfree-default", default), ("stallfree-tbt", tbt), ("stallfree-budget", fixed)):
                 if r is None:
                     continue
                 cell[column] = summary_of(r, doc_trials)
@@ -549,7 +570,7 @@ def capacity_table(
             cell["budgets"] = {
                 r.engine: r.search.result.rate
                 for r in runs
-                if r.engine != "stallfree-tbt" and r.trace == trace and r.slo_name == slo_name
+                if r.engine not in TARGETED and r.trace == trace and r.slo_name == slo_name
             }
             rows.append(cell)
     return rows
@@ -598,12 +619,20 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         f"and P50 scheduling delay <= 2 s, binary search to {TOLERANCE:.1%}.",
         "",
     ]
+    if "stallfree_default" in doc:
+        d = doc["stallfree_default"]
+        lines += [
+            f"stallfree's default: the targets `stallfree serve` derived at start-up, TBT {d['tbt_slo_ms']:g} ms and "
+            f"TTFT {d['ttft_slo_ms']:g} ms, whatever the SLO.",
+            "",
+        ]
     for name, t in doc["traces"].items():
         lines.append(f"- {name}: `{t['file']}`, {t['replay']}; the rate is what the search varies.")
     cells = []
     for c in doc["table"]:
-        tbt, fixed, vllm = c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]
+        default, tbt, fixed, vllm = c["stallfree-default"], c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]
         v = vllm["capacity_req_per_s"] if vllm else 0.0
+        best_own = max(s["capacity_req_per_s"] for s in (default, tbt, fixed) if s is not None)
 
         def guess(s: dict[str, Any] | None, key: str) -> str:
             return f"{s[key]:.3g}" if s is not None else "–"  # no fixed budget searched: --stallfree-budgets none
@@ -616,19 +645,25 @@ def write(base: Path, doc: dict[str, Any]) -> None:
             [
                 c["trace"],
                 f"{c['slo']} ({c['slo_ms']:.0f} ms)",
+                f"{default['capacity_req_per_s']:.3g} req/s",
                 f"{tbt['capacity_req_per_s']:.3g} req/s",
                 f"{fixed['capacity_req_per_s']:.3g} req/s ({fixed['engine']})" if fixed else "–",
                 f"{v:.3g} req/s ({vllm['engine'] if vllm else '–'})",
+                f"{default['capacity_req_per_s'] / v:.2f}" if v else "–",
                 f"{tbt['capacity_req_per_s'] / v:.2f}" if v else "–",
+                f"{default['capacity_req_per_s'] / best_own:.2f}" if best_own else "–",
                 predicted,
             ]
         )
-    header = ["trace", "SLO", "stallfree, TBT target", "stallfree, fixed budget", "vLLM, best budget"]
+    header = ["trace", "SLO", "stallfree's default", "stallfree, TBT target", "stallfree, fixed budget"]
     header += [
+        "vLLM, best budget",
+        "default / vLLM",
         "TBT target / vLLM",
+        "default / stallfree's best",
         "simulator's prediction (TBT target, budget): the profile; corrected by what the server learnt",
     ]
-    lines += ["", *table(header, cells, "llrrrrr")]
+    lines += ["", *table(header, cells, "llrrrrrrrr")]
     lines += [
         "",
         "At capacity (ms): TTFT p50 / p99, TBT p50 / p99, worst gap, scheduling delay p50.",
@@ -636,7 +671,7 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     ]
     cells = []
     for c in doc["table"]:
-        for s in (c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]):
+        for s in (c["stallfree-default"], c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]):
             if s is None:
                 continue
             keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
