@@ -16,31 +16,19 @@ from stallfree.cli.serve import local_engine
 from stallfree.core.analysis import profiler, targets
 from stallfree.core.analysis.targets import SLO_DECODES, TTFT_TARGET_MS, measured_decode_s
 from tests.simkit import sim_engine
+from tests.test_ttft_target import FakeCost  # 10 ms an iteration, 1 ms a decode, 0.5 ms a prompt token
 
 TINY = ["serve", "--model", "tiny", "--dtype", "fp32", "--threads", "1", "--kv-cache-gib", "0.01"]
 
 
-class EightDecodesCost:
-    """10 ms an iteration, 1 ms a decode, 0.5 ms a prompt token (the simulated runner charges it exactly)."""
-
-    def iteration_s(self, decode_contexts, chunks) -> float:
-        return (10.0 + len(decode_contexts) + sum(0.5 * n for _, n in chunks)) / 1e3
-
-    def observe(self, decode_contexts, chunks, measured_s) -> None:
-        pass
-
-    def correction(self, with_prefill) -> float:
-        return 1.0
-
-
 def test_the_decode_probe_times_eight_decodes_and_leaves_the_engine_idle():
-    e = sim_engine(4096, 16, cost=EightDecodesCost(), token_budget=512, max_num_seqs=64)
+    e = sim_engine(4096, 16, cost=FakeCost(), token_budget=512, max_num_seqs=64)
     assert measured_decode_s(e) == pytest.approx((10 + SLO_DECODES) / 1e3)
     assert not e.has_work and e.kv.num_used_blocks == 0
 
 
 def test_with_fewer_sequences_allowed_the_probe_decodes_that_many():
-    e = sim_engine(4096, 16, cost=EightDecodesCost(), token_budget=512, max_num_seqs=4)
+    e = sim_engine(4096, 16, cost=FakeCost(), token_budget=512, max_num_seqs=4)
     assert measured_decode_s(e) == pytest.approx(14 / 1e3)
 
 
