@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # the kernel's range for port 0 (Linux)
 OUT = ROOT / "bench" / "results"
 VLLM = ROOT / "bench" / "peers" / "vllm"  # install.sh, convert.sh and start.sh for the peer
 # `stallfree serve` on the model holds TBT and TTFT targets derived from its profile unless told
@@ -32,9 +34,20 @@ def tree_env(checkout: Path, env: dict[str, str] | None = None) -> dict[str, str
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a server that binds it a few seconds later. Not one
+    the kernel hands out for port 0 (its ephemeral range), nor Ray's worker
+    ports (10002-19999): a server started beside Ray lost its port to one
+    while connecting to the cluster ("address already in use", test_scaleout)."""
+    low = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 0
+    for _ in range(100):
+        port = random.randrange(20000, low) if low > 20000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port found")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
