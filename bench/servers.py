@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # the kernel's range for port 0 (Linux)
 OUT = ROOT / "bench" / "results"
 VLLM = ROOT / "bench" / "peers" / "vllm"  # install.sh, convert.sh and start.sh for the peer
-# `stallfree serve` on the model holds TBT and TTFT targets derived from its profile unless told
-# (core.analysis.targets): a run of a fixed token budget, or that sets its targets live, starts without
+# `stallfree serve` on the model holds TBT and TTFT targets of its own unless told (core.analysis.targets):
+# a run of a fixed token budget, or that sets its targets live, starts without
 NO_TARGETS = ("--tbt-slo-ms", "0", "--ttft-slo-ms", "0")
 
 

@@ -4,8 +4,8 @@ and what does chunking do to the decoders meanwhile?
 
     .venv/bin/python -m bench.serving.burst [--repeats 2] [--prompts 4] [--tokens 1500]
 
-Starts `stallfree serve` as it comes (embedded model, every core: its
-defaults, the TBT and TTFT targets it derives from its profile included) and
+Starts `stallfree serve` as it comes (embedded model, every core, its
+default dtype: its defaults, the TBT and TTFT targets it derives included) and
 alternates three settings through /api/config (A B C A B C): those defaults;
 the token budget (512) alone, no targets (the default before targets were
 derived); and chunking none. Writes a new bench/results/burst-<date>.{json,md}.
@@ -16,14 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 
 import httpx
+import torch
 
 from bench.record import dated, describe, machine, table
 from bench.servers import StallfreeServer
 from stallfree.core.model.embedded import load_tokenizer
+from stallfree.core.model.model_runner import resolve_dtype
 from stallfree.loadtest.clients import StallfreeTarget
 from stallfree.loadtest.runner import run_jobs
 from stallfree.loadtest.stats import summarize
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=8)
     args = ap.parse_args()
     tokenizer = load_tokenizer()
+    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what serve picks here
     server = StallfreeServer("--max-model-len", "4096")
     port = server.port
     rows = []
@@ -83,7 +87,7 @@ def main() -> None:
     base.with_suffix(".json").write_text(json.dumps(record, indent=2))
     lines = [
         f"# Burst: {args.prompts} prompts of {args.tokens} tokens at once, {args.decoders} users decoding "
-        "(embedded SmolLM2, serve's default threads: every core)",
+        f"(embedded SmolLM2, {dtype}, serve's default threads: all {os.cpu_count()} cores)",
         "",
         f"`{command}` on {describe(record['machine'])} — medians of {args.repeats} alternating runs. "
         f"serve's default derived a TBT target of {derived['tbt_slo_ms']:g} ms and a TTFT target of "

@@ -1,6 +1,5 @@
 """What `stallfree serve` on the embedded model takes to be ready (/readyz),
-with the TBT and TTFT targets it derives from a profile (its default) and
-without them.
+with the TBT and TTFT targets it derives (its default) and without them.
 
     .venv/bin/python -m bench.serving.startup_cost [--repeats 3]
 
@@ -8,7 +7,8 @@ Three starts, alternating (A B C A B C): the default on a machine with no
 profile saved (it measures a quick one and saves it: a fresh HOME each
 time, the compiled kernels from the usual cache), the default again with
 that profile saved, and the targets off (``--tbt-slo-ms 0 --ttft-slo-ms 0``:
-no profile read). Writes a new bench/results/startup_cost-<date>.{json,md}.
+no decode probe, nothing measured; the saved profile is loaded). Writes a
+new bench/results/startup_cost-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from bench.record import dated, describe, machine, table
 from bench.servers import NO_TARGETS, StallfreeServer
+from stallfree.core.model.model_runner import resolve_dtype
 
 KERNELS = Path(os.environ.get("STALLFREE_KERNEL_CACHE") or Path.home() / ".cache" / "stallfree" / "kernels")
 
@@ -41,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what serve picks here
     rows = []
     for rep in range(args.repeats):
         with tempfile.TemporaryDirectory() as home:
@@ -64,7 +68,8 @@ def main() -> None:
         "# What serve's start costs, with the targets it derives and without",
         "",
         f"`{command}` on {describe(record['machine'])}: seconds from launch to /readyz answering, "
-        f"embedded model, serve's default threads; medians of {args.repeats} alternating runs.",
+        f"embedded model, {dtype}, serve's default threads (all {os.cpu_count()} cores); medians of "
+        f"{args.repeats} alternating runs.",
         "",
         *table(["start", "ready (s)", "range"], cells, "lrr"),
     ]

@@ -75,5 +75,8 @@ def measured_decode_s(engine: Engine) -> float:
         if it is not None and it.decode_tokens == decodes and not it.prefill_tokens:
             times.append((it.end_ns - it.start_ns) / 1e9)
     if len(times) < MEASURED_ITERATIONS + 2:
-        raise RuntimeError(f"the decode probe ran {len(times)} decode-only iterations of {decodes} decodes")
+        raise RuntimeError(
+            f"the decode probe ran {len(times)} decode-only iterations of {decodes} decodes, not "
+            f"{MEASURED_ITERATIONS + 2} (is the KV cache too small?); --tbt-slo-ms sets the target without it"
+        )
     return statistics.median(times[2 : 2 + MEASURED_ITERATIONS])
