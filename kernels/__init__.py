@@ -108,6 +108,12 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
         tiles = "brgemm (AMX)" if amx else "vdpbf16ps tiles"
     else:
         tiles = "brgemm"
+    if kv_dtype == torch.bfloat16 and cpu_ops.amx_tiles():
+        decode = "scores on AMX tiles (heads of 64, blocks of 16n), P V on vdpbf16ps"
+    elif kv_dtype == torch.bfloat16 and dot_available():
+        decode = "vdpbf16ps"
+    else:
+        decode = "float32 FMA"
     threads = torch.get_num_threads()
     return {
         "kind": cpu_build.kind(),
@@ -117,7 +123,7 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
         "head": "float32, compact weights up to 64 rows"
         + (f"; {ScreenedHead.MIN_ROWS}+ argmax-only rows: a bf16 screen (AMX), float32 rechecks" if amx else ""),
         "attention prefill": tiles,
-        "attention decode": "vdpbf16ps" if kv_dtype == torch.bfloat16 and dot_available() else "float32 FMA",
+        "attention decode": decode,
     }
 
 

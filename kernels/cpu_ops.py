@@ -89,15 +89,17 @@ def brgemm_dtypes() -> set[torch.dtype]:
 
 
 def amx_tiles() -> bool:
-    """Whether bf16 prefill tiles (heads of 64) run on AMX's own instructions
-    here, rather than through oneDNN's brgemm (``kernels/csrc/attention.cpp``)."""
+    """Whether bf16 attention (heads of 64) runs on AMX's own instructions
+    here: prefill tiles, rather than through oneDNN's brgemm, and decode
+    scores, rather than the dot-product loop (``kernels/csrc/attention.cpp``)."""
     return bool(ops.attention_amx(True))
 
 
 @contextmanager
 def brgemm_tiles() -> Iterator[None]:
-    """bf16 prefill attention tiles through oneDNN's brgemm even where AMX's
-    own instructions would run them, for tests and benchmarks."""
+    """bf16 prefill attention tiles through oneDNN's brgemm, and decode scores
+    on the dot-product loop, even where AMX's own instructions would run
+    them, for tests and benchmarks."""
     ops.attention_amx(False)
     try:
         yield

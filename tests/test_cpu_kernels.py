@@ -97,6 +97,20 @@ def test_bf16_tiles_run_on_amx_where_the_cpu_has_it(ops):
 
 
 @pytest.mark.parametrize("kind", ["as built", "brgemm"])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("group", [3, 12])
+def test_bf16_decodes_of_every_length_match_the_reference(ops, kind, block_size, group):
+    """Decodes of heads of 64 in bf16: where the kind is ``amx`` their scores
+    are tile products over the cache's 16-token groups as they lie (blocks a
+    multiple of 16; others, and ``brgemm_tiles``, take the dot-product loop).
+    Lengths around the 16-token groups and the 64-token tiles, partial last
+    blocks, groups past 8 (two slices)."""
+    lengths = [1, 2, 15, 16, 17, 31, 63, 64, 65, 129, 300]
+    with tiles(ops, kind):
+        check_paged_attention(ops, (3, group, 64, block_size, lengths, [], torch.bfloat16), seed=block_size + group)
+
+
+@pytest.mark.parametrize("kind", ["as built", "brgemm"])
 def test_a_chunk_whose_later_keys_score_far_higher_matches_the_reference(ops, kind):
     """Keys whose scores grow along the sequence: each query vector's maximum
     passes its first KV tile's by more than 2^8 (log2 units) in a later tile,

@@ -5,9 +5,9 @@
 // max and sum per query vector, one pass over the sequence's blocks.
 //
 // Two score loops: a decode row (one query token) takes dot products straight
-// from the cache rows; a prefill tile (many query vectors) packs each KV tile
-// transposed into a small float buffer and multiplies as an outer product,
-// so the inner loop is a vector FMA over tokens with no horizontal sums.
+// from the cache rows (with AMX: tile products over those rows); a prefill
+// tile (many query vectors) packs each KV tile transposed into a small float
+// buffer and multiplies as an outer product, so the inner loop is a vector FMA over tokens with no horizontal sums.
 // Causality is applied only within the chunk: query row i of a chunk with
 // prefix p sees keys [0, p + i].
 //
@@ -115,6 +115,7 @@ struct Acc {
 // float32 FMAs: rows widened to float32, q pre-scaled.
 template <typename T, int D, int G>
 struct FmaRows {
+  static constexpr bool TILES = false;
   vf qv[G][D / W];
 
   void query(const T* q, float scale) {
@@ -162,6 +163,7 @@ struct FmaRows {
 // instructions for the scores, half for P V.
 template <int D, int G>
 struct DotRows {
+  static constexpr bool TILES = false;
   __m512bh qb[G][D / 32];
 
   void query(const c10::BFloat16* q, float) {
@@ -189,6 +191,13 @@ struct DotRows {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    // the probabilities as bf16 pairs along the tokens, 16 at a time: one broadcast a pair below
+    alignas(64) uint32_t pairs[G][TK / 2];
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < n; t += W) {
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[g] + t));
+        std::memcpy(&pairs[g][t / 2], &b, sizeof(b));
+      }
     for (int t = 0; t < n; t += 2) {  // an odd n pairs its last row with a row whose p is 0 (padded)
       fetch(t), fetch(t + 1);
       const c10::BFloat16 *a = row(t), *b = row(t + 1);
@@ -199,8 +208,7 @@ struct DotRows {
         vp[2 * i + 1] = (__m512bh)_mm512_permutex2var_epi16(x, hi, y);
       }
       for (int g = 0; g < G; ++g) {
-        const __m128bh pair = _mm_cvtneps_pbh(_mm_set_ps(0.f, 0.f, p[g][t + 1], p[g][t]));
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(_mm_cvtsi128_si32((__m128i)pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][t / 2]));
         for (int i = 0; i < D / W; ++i) acc[g][i] = (vf)_mm512_dpbf16_ps((__m512)acc[g][i], pp, vp[i]);
       }
     }
@@ -261,14 +269,19 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
       vf acc[G][D / W];
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D / W; ++i) acc[g][i] = st.o[g][i];
-      for (int j0 = 0; j0 < padded; j0 += W) {
-        vf d[G][W];
-        rows.scores([&](int j) { return kc + off[j0 + j] + ho; },
-                    [&](int j) {
-                      if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j] + ho);
-                    },
-                    d);
-        for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]) * score_scale);
+      if constexpr (Rows::TILES) {
+        for (int j = 0; j < m; ++j) prefetch_row<T, D>(kc + next[j] + ho);
+        rows.scores(kc + ho, off, padded, c.token_stride, Rows::score_scale(scale), s);
+      } else {
+        for (int j0 = 0; j0 < padded; j0 += W) {
+          vf d[G][W];
+          rows.scores([&](int j) { return kc + off[j0 + j] + ho; },
+                      [&](int j) {
+                        if (j0 + j < m) prefetch_row<T, D>(kc + next[j0 + j] + ho);
+                      },
+                      d);
+          for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]) * score_scale);
+        }
       }
       for (int g = 0; g < G; ++g) {  // online softmax: the tile's probabilities, the running sums rescaled
         std::fill(s[g] + n, s[g] + padded, NEG_INF);
@@ -860,6 +873,96 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_tile_amx(const c10::BFl
     for (int x = 0; x < D; x += W) store(dst + x, load(&o[static_cast<size_t>(m) * D + x]) * splat(inv));
   }
 }
+
+#if defined(__AVX512BF16__)
+// ---- decode scores on AMX (bf16, heads of 64) -------------------------------
+// A cache block's 16 K rows of one KV head are a tile as they lie in the cache
+// (rows a token's stride apart, two tiles for the two 32-wide halves of d), so
+// Q K^T needs no packing: times the G query vectors laid out as VNNI pairs
+// along d, 16 tokens' scores in two multiplies. The dot-product loop spent
+// ~50 cycles a token and KV head there (its horizontal sums and stores), hot
+// in cache as much as cold. P V stays on the dot product (DotRows): as a tile
+// product V would first have to be interleaved into pairs along the tokens,
+// which is most of what that loop does already. Blocks must hold a multiple
+// of 16 tokens (each 16-token group of a 64-token tile then lies in one block).
+template <int G>
+struct TileRows {
+  static constexpr bool TILES = true;
+  static constexpr int D = 64;
+  alignas(64) uint32_t qt[32][16];  // B: rows are pairs of d, columns query vectors (G of 16 read)
+
+  void query(const c10::BFloat16* q, float) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < 32; ++k) qt[k][g] = pairs[g * 32 + k];
+  }
+  static constexpr float score_scale(float scale) { return scale; }
+
+  // Tiles 0-1 and 5-6: K halves of alternate groups; 2-3: qt's halves; 4 and 7: scores.
+  __attribute__((target("amx-tile"))) static void configure() {
+    TileConfig config;
+    for (int t : {0, 1, 5, 6}) config.rows[t] = 16, config.colsb[t] = 64;
+    for (int t : {2, 3, 4, 7}) config.rows[t] = 16, config.colsb[t] = 4 * G;
+    asm volatile("" : : "r"(&config) : "memory");  // GCC 12 dropped these stores as dead before ldtilecfg
+    _tile_loadconfig(&config);
+  }
+
+  // s[g][0, n) = scale * q_g . K rows of tokens off[0, n) (n a multiple of 16; each
+  // group of 16 from off[j] on, `stride` elements apart)
+  __attribute__((target("amx-tile,amx-bf16"))) void scores(const c10::BFloat16* k, const int64_t* off, int n,
+                                                            int64_t stride, float scale, float (*s)[TK]) const {
+    alignas(64) float c[TK / 16][16][16];
+    const int64_t ld = stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+    _tile_loadd(2, qt[0], 64);
+    _tile_loadd(3, qt[16], 64);
+    for (int j = 0; j < n; j += 32) {  // two groups in turn: a tile is loaded while the other's products run
+      _tile_loadd(0, k + off[j], ld);
+      _tile_loadd(1, k + off[j] + 32, ld);
+      _tile_zero(4);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(4, 1, 3);
+      _tile_stored(4, c[j / 16], 64);
+      if (j + 16 == n) break;
+      _tile_loadd(5, k + off[j + 16], ld);
+      _tile_loadd(6, k + off[j + 16] + 32, ld);
+      _tile_zero(7);
+      _tile_dpbf16ps(7, 5, 2);
+      _tile_dpbf16ps(7, 6, 3);
+      _tile_stored(7, c[j / 16 + 1], 64);
+    }
+    const vi column = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * 16;  // c's column 0, token by token
+    const vf sc = splat(scale);
+    for (int j = 0; j < n; j += 16)
+      for (int g = 0; g < G; ++g)
+        store(s[g] + j, (vf)_mm512_i32gather_ps((__m512i)(column + g), &c[j / 16][0][0], 4) * sc);
+  }
+
+  template <typename Row, typename Fetch>
+  static void values(Row row, Fetch fetch, int n, const float (*p)[TK], vf (*acc)[D / W]) {
+    DotRows<D, G>::values(row, fetch, n, p, acc);
+  }
+};
+
+// Whether decodes take TileRows here: AMX granted and blocks of whole 16-token groups.
+bool decode_tiles(int block_size) { return use_amx_tiles() && block_size % 16 == 0; }
+
+// attend_decode (bf16, D = 64) on TileRows, query heads per KV head in slices of 8.
+void attend_decode_amx(const c10::BFloat16* q, int group, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                       const Cache& c, int kv_heads, int seq_len, float scale, c10::BFloat16* out) {
+  using T = c10::BFloat16;
+  for (int g0 = 0; g0 < group; g0 += 8) {
+    switch (std::min(8, group - g0)) {
+#define SF_GROUP(N)                                                                                          \
+  case N:                                                                                                    \
+    TileRows<N>::configure();                                                                                \
+    attend_decode<T, 64, N, TileRows<N>>(q + g0 * 64, group, kc, vc, c, kv_heads, seq_len, scale, out + g0 * 64); \
+    break;
+      SF_GROUP(1) SF_GROUP(2) SF_GROUP(3) SF_GROUP(4) SF_GROUP(5) SF_GROUP(6) SF_GROUP(7) SF_GROUP(8)
+#undef SF_GROUP
+    }
+  }
+}
+#endif  // __AVX512BF16__
 #endif
 
 struct Work {
@@ -965,6 +1068,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const T* qw = qp + w.row0 * q_row + head0 * q_head;
         T* ow = op + w.row0 * o_row + head0 * D;
         if (q_len == 1) {
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16> && D == 64) {
+            if (decode_tiles(bs)) {
+              attend_decode_amx(qw, G, kc, vc, c, w.heads, lens[w.seq], sc, ow);
+              tiles_used = true;
+              continue;
+            }
+          }
+#endif
           attend_decode<T, D>(qw, G, kc, vc, c, w.heads, lens[w.seq], sc, ow);
         } else {
           const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
