@@ -41,7 +41,17 @@ from stallfree.gateway.inputs.protocol import (
 
 log = structlog.get_logger(__name__)
 
-TIMINGS = ("queue_wait_ms", "prefill_ms", "decode_ms", "ttft_ms", "e2e_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms")
+TIMINGS = (
+    "queue_wait_ms",
+    "scheduling_delay_ms",
+    "prefill_ms",
+    "decode_ms",
+    "ttft_ms",
+    "e2e_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "max_gap_ms",
+)
 PROBE_S = 1.0  # how often a socket's unread bytes are looked at
 WS_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
 

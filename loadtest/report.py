@@ -22,7 +22,7 @@ from stallfree.core.analysis.traces import read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.tokenizer import Tokenizer
 from stallfree.loadtest.clients import OpenAITarget, Result, StallfreeTarget, Target
-from stallfree.loadtest.runner import QueueWaitProbe, run_jobs
+from stallfree.loadtest.runner import SchedulingDelayProbe, run_jobs
 from stallfree.loadtest.stats import summarize
 from stallfree.loadtest.workloads import (
     Arrival,
@@ -76,7 +76,7 @@ def replay_jobs(
     """Run the jobs (a progress bar on stderr; those not done ``deadline_s`` after
     the start are cancelled); with ``url``, the median queue wait the server's
     /metrics histogram counted meanwhile (for servers whose responses do not carry it)."""
-    probe = QueueWaitProbe(url) if url else None
+    probe = SchedulingDelayProbe(url) if url else None
     with tqdm(total=len(jobs), unit="req", file=sys.stderr, leave=False) as bar:
         results = asyncio.run(run_jobs(target, jobs, lambda done, total: bar.update(1), deadline_s))
     return results, probe.median_ms() if probe is not None else None
@@ -86,10 +86,14 @@ def run_summary(
     results: list[Result],
     kind: str,
     tbt_slo_ms: float | None = None,
-    queue_wait_ms: float | None = None,
+    scheduling_delay_ms: float | None = None,
     ttft_slo_ms: float | None = None,
 ) -> dict[str, Any]:
-    out = {"all": summarize(results, tbt_slo_ms=tbt_slo_ms, queue_wait_ms=queue_wait_ms, ttft_slo_ms=ttft_slo_ms)}
+    out = {
+        "all": summarize(
+            results, tbt_slo_ms=tbt_slo_ms, scheduling_delay_ms=scheduling_delay_ms, ttft_slo_ms=ttft_slo_ms
+        )
+    }
     if kind == "interference":
         out["decoders"] = summarize(results, "decoder", tbt_slo_ms, ttft_slo_ms=ttft_slo_ms)
         out["long"] = summarize(results, "long")
@@ -123,12 +127,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if name:
             print(f"{name} = {value}", file=sys.stderr)
         jobs = make_jobs(args, tokenizer, args.seed + len(runs))
-        results, queue_wait_ms = replay_jobs(target, jobs, url)
+        results, scheduling_delay_ms = replay_jobs(target, jobs, url)
         runs.append(
             {
                 "setting": {name: value} if name else {},
                 "config": config,
-                **run_summary(results, kind, args.tbt_slo_ms, queue_wait_ms, args.ttft_slo_ms),
+                **run_summary(results, kind, args.tbt_slo_ms, scheduling_delay_ms, args.ttft_slo_ms),
                 "streams": [[round(t, 4) for t in r.token_s] for r in results if r.job.group != "long"],
             }
         )
@@ -179,8 +183,8 @@ def _extras(s: dict[str, Any]) -> list[str]:
             f"server split p50: queue {s['server_queue_wait_ms_p50']:.0f}, prefill {s['server_prefill_ms_p50']:.0f}, "
             f"decode {s['server_decode_ms_p50']:.0f} ms"
         )
-    elif "queue_wait_p50_ms" in s:
-        out.append(f"scheduling delay p50 {s['queue_wait_p50_ms']:.0f} ms (server's histogram)")
+    elif "scheduling_delay_p50_ms" in s:
+        out.append(f"scheduling delay p50 {s['scheduling_delay_p50_ms']:.0f} ms (server's histogram)")
     if "goodput_req_per_s" in s:
         out.append(f"goodput {s['goodput_req_per_s']:.3g} req/s: {_good(s)}")
     if s.get("refused"):
@@ -253,7 +257,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for setting, group, s in _rows(report):
-        delay = f"{s['queue_wait_p50_ms']:.0f}" if "queue_wait_p50_ms" in s else "–"
+        delay = f"{s['scheduling_delay_p50_ms']:.0f}" if "scheduling_delay_p50_ms" in s else "–"
         good = f"{s['goodput_req_per_s']:.3g} | {s['good_share']:.1%}" if "goodput_req_per_s" in s else "– | –"
         hits = f"{s['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in s else "–"
         lines.append(

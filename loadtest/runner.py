@@ -1,6 +1,6 @@
 """Running a load: each job sent at its time against a target, and, for servers
 that report queue waits only in Prometheus histograms (vLLM), the probe that
-reads them before and after a run (``QueueWaitProbe``).
+reads them before and after a run (``SchedulingDelayProbe``).
 """
 
 from __future__ import annotations
@@ -58,13 +58,15 @@ async def run_jobs(
     ]
 
 
-class QueueWaitProbe:
-    """A server's Prometheus histogram of queue waits (arrival to first
-    scheduled), read before and after a run: the run's median from the
-    difference, interpolated within its bucket. For servers that report queue
-    waits nowhere else (vLLM's ``vllm:request_queue_time_seconds``)."""
+class SchedulingDelayProbe:
+    """A server's Prometheus histogram of scheduling delays, read before and
+    after a run: the run's median from the difference, interpolated within its
+    bucket. vLLM's is its queue time (arrival to first scheduled: a started
+    prompt runs on until done), stallfree's its scheduling delay (the same,
+    less nothing a paused prompt waited: ``core.sched.timings``). For servers
+    that report them nowhere else."""
 
-    NAMES = ("vllm:request_queue_time_seconds", "stallfree_queue_wait_seconds")
+    NAMES = ("vllm:request_queue_time_seconds", "stallfree_scheduling_delay_seconds")
 
     def __init__(self, metrics_url: str) -> None:
         self.url = metrics_url

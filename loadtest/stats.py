@@ -15,14 +15,14 @@ def summarize(
     results: list[Result],
     group: str | None = None,
     tbt_slo_ms: float | None = None,
-    queue_wait_ms: float | None = None,
+    scheduling_delay_ms: float | None = None,
     ttft_slo_ms: float | None = None,
 ) -> dict[str, Any]:
     """TTFT, scheduling delay and every inter-token gap, percentiles and max;
     throughput over the run; prefix-cache hits where the server says;
     refusals (how many, how fast); with a target (TBT, TTFT or both),
-    goodput (``goodput``). ``queue_wait_ms``: the run's median queue wait
-    read elsewhere (a probe), for servers whose responses do not carry it."""
+    goodput (``goodput``). ``scheduling_delay_ms``: the run's median scheduling
+    delay read elsewhere (a probe), for servers whose responses do not carry it."""
     rs = [r for r in results if group is None or r.job.group == group]
     ok = [r for r in rs if r.error is None and r.token_s]
     refused = [r for r in rs if r.refused]
@@ -60,9 +60,9 @@ def summarize(
     if split:
         for k in ("queue_wait_ms", "prefill_ms", "decode_ms"):
             out[f"server_{k}_p50"] = percentile([t[k] for t in split], 50)
-        out["queue_wait_p50_ms"] = out["server_queue_wait_ms_p50"]
-    elif queue_wait_ms is not None:
-        out["queue_wait_p50_ms"] = queue_wait_ms
+        out["scheduling_delay_p50_ms"] = percentile([t["scheduling_delay_ms"] for t in split], 50)
+    elif scheduling_delay_ms is not None:
+        out["scheduling_delay_p50_ms"] = scheduling_delay_ms
     reported = [r for r in ok if r.cached_tokens is not None]
     if reported:
         prompt = sum(r.prompt_tokens for r in reported)

@@ -100,7 +100,7 @@ def test_trace_replay_of_exact_lengths_with_the_traces_sharing(server, tmp_path,
     # the first rows share only their first hash-id block (32 tokens at this scale): the
     # later ones hit it once it is computed (those arriving with the first cannot)
     assert 0 < s["prefix_hit_rate"] <= 11 * 32 / s["prompt_tokens"]
-    assert 0 <= s["queue_wait_p50_ms"] <= s["ttft_p50_ms"]  # waiting is part of the first token's time
+    assert 0 <= s["scheduling_delay_p50_ms"] <= s["ttft_p50_ms"]  # waiting is part of the first token's time
     assert s["good_requests"] == 12 and s["goodput_req_per_s"] > 0
     assert s["max_gap_ms"] >= s["itl_p99_ms"] >= s["itl_p50_ms"] > 0
     md = (tmp_path / "report.md").read_text()

@@ -73,7 +73,7 @@ def test_a_429_is_a_refusal_with_its_latency_and_retry_after():
 
 
 def test_a_refused_request_still_fails_a_capacity_trial():
-    summary = {"itl_p99_ms": 10.0, "queue_wait_p50_ms": 10.0, "errors": 0, "refused": 1, "good_share": 0.95}
+    summary = {"itl_p99_ms": 10.0, "scheduling_delay_p50_ms": 10.0, "errors": 0, "refused": 1, "good_share": 0.95}
     trial = trial_from(1.0, summary)
     assert not trial.meets(SLO(100.0))  # capacity serves every request
     assert trial.meets(Goodput(0.9))  # goodput reads the good share alone
@@ -101,7 +101,13 @@ def test_the_simulators_requests_are_judged_by_the_benchmarks_targets():
     from bench.serving.goodput import TTFT_SLO_MS, simulated_good
 
     def row(ttft_ms: float, p99_ms: float, finish: str = "length") -> dict[str, object]:
-        timings = {"queue_wait_ms": 0.0, "prefill_ms": ttft_ms, "decode_ms": 1000.0, "ttft_ms": ttft_ms}
+        timings = {
+            "queue_wait_ms": 0.0,
+            "scheduling_delay_ms": 0.0,
+            "prefill_ms": ttft_ms,
+            "decode_ms": 1000.0,
+            "ttft_ms": ttft_ms,
+        }
         timings |= {"e2e_ms": ttft_ms + 1000, "itl_p50_ms": 50.0, "itl_p99_ms": p99_ms, "max_gap_ms": p99_ms}
         return {**timings, "stalled_gaps": 0, "finish_reason": finish, "good": True}
 

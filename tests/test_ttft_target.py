@@ -248,6 +248,42 @@ def test_goodput_judged_on_a_scripted_timeline():
     assert judge(t, 0.0, 0.0, completed=True).good  # no targets: met by anything
 
 
+def test_the_scheduling_delay_counts_the_wait_of_a_prompt_passed_over_after_its_first_chunk():
+    """Arrival to first token less the iterations its chunks ran in: for a prompt
+    that runs on once started, its queue wait; for one passed over after its
+    first chunk, the wait between its chunks too; a recompute's chunks (after
+    the first token) take nothing off."""
+    from stallfree.core.sched.request import Chunk
+
+    on = request("on", 10).timeline
+    on.scheduled_ns, on.first_token_ns = 100 * MS, 200 * MS
+    on.chunks = [Chunk(1, 100 * MS, 150 * MS, 5, 0), Chunk(2, 150 * MS, 200 * MS, 5, 5)]
+    on.finished_ns = 300 * MS
+    t = request_timings(on)
+    assert t.queue_wait_ms == t.scheduling_delay_ms == 100.0
+    passed = request("passed", 10).timeline
+    passed.scheduled_ns, passed.first_token_ns = 100 * MS, 450 * MS
+    passed.chunks = [Chunk(1, 100 * MS, 150 * MS, 5, 0), Chunk(7, 400 * MS, 450 * MS, 5, 5)]
+    passed.chunks.append(Chunk(12, 600 * MS, 700 * MS, 11, 0))  # preempted after its first token, recomputed
+    passed.finished_ns = 800 * MS
+    t = request_timings(passed)
+    assert t.queue_wait_ms == 100.0 and t.scheduling_delay_ms == 350.0
+
+
+def test_a_long_prompt_passed_over_for_ones_that_can_make_their_targets_waits_after_its_first_chunk():
+    """Under a TTFT target, a long prompt that cannot make its own gives way to
+    short ones arriving after it has started: its queue wait is nothing, its
+    scheduling delay (what the capacity rule reads) the time it was passed over."""
+    config = SchedulerConfig(token_budget=100, max_num_seqs=16, ttft_slo_ms=500.0)
+    arrivals = [Arrival(0.0, "long", tokens("long", 1000), 4)]
+    arrivals += [Arrival(0.1 * (i + 1), f"s{i}", tokens(i, 100), 4) for i in range(8)]
+    rows = report(simulate(arrivals, config, CacheConfig(1024, 16), FakeCost()))["requests"]
+    long = rows["long"]
+    # its 10 chunks ran in iterations of at least 60 ms each; of the rest of its TTFT it waited most
+    assert long["queue_wait_ms"] == 0.0 and 400 < long["scheduling_delay_ms"] <= long["ttft_ms"] - 600
+    assert all(r["scheduling_delay_ms"] == r["queue_wait_ms"] for rid, r in rows.items() if rid != "long")
+
+
 def test_requests_take_the_targets_in_force_when_they_arrive():
     e = engine(ttft_slo_ms=700.0, tbt_slo_ms=90.0)
     own = request("own", 10, max_tokens=2)

@@ -37,7 +37,8 @@ Configurations, each searched for each trace and SLO:
 Both serve the same weights (bench/peers/vllm/smollm2-hf) in the same dtype
 with one compute thread and prefix caching on, driven through the same
 OpenAI streaming API by this process; their scheduling delays come from
-their own Prometheus queue-time histograms. Trials of all searches alternate
+their own Prometheus histograms (vLLM's queue time, stallfree's scheduling
+delay: ``core.sched.timings`` says why they are the same quantity). Trials of all searches alternate
 one by one. Before measuring, the simulator (the real scheduler on the
 profile's cost model) predicts stallfree's capacities on the same windows;
 the prediction also seeds the searches.
@@ -407,7 +408,7 @@ class Trials:
         if engine == "stallfree":
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         started = time.perf_counter()
-        results, measured, queue_wait_ms = replay_trial(
+        results, measured, scheduling_delay_ms = replay_trial(
             self.engines,
             engine,
             replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count)),
@@ -420,7 +421,7 @@ class Trials:
             res.error is not None for res in measured
         )  # a failed warm-up request fails the trial too
         # the same reading for both engines: the histogram's median (the server's own timings kept beside it)
-        summary["queue_wait_p50_ms"] = queue_wait_ms if queue_wait_ms is not None else float("inf")
+        summary["scheduling_delay_p50_ms"] = scheduling_delay_ms if scheduling_delay_ms is not None else float("inf")
         summary["wall_s"] = time.perf_counter() - started
         if engine == "stallfree":  # what the server's cost model has learnt of this machine
             summary["cost_corrections"] = corrections(metrics)
@@ -447,9 +448,11 @@ def replay_trial(
         wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
     jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
     deadline_s = max(job.at_s for job in jobs) + DRAIN_S
-    results, queue_wait_ms = replay_jobs(target, jobs, target.base_url.removesuffix("/v1") + "/metrics", deadline_s)
+    results, scheduling_delay_ms = replay_jobs(
+        target, jobs, target.base_url.removesuffix("/v1") + "/metrics", deadline_s
+    )
     measured = sorted(results, key=lambda res: res.job.at_s)[int(len(results) * warmup) :]
-    return results, measured, queue_wait_ms
+    return results, measured, scheduling_delay_ms
 
 
 def corrections(metrics_url: str) -> dict[str, float]:
@@ -595,7 +598,7 @@ def summary_of(r: Run, doc_trials: list[dict[str, Any]]) -> dict[str, Any]:
             f"{sum(t['meets'] for t in there)}/{len(there)} met; P99 TBT {min(p99):.0f}-{max(p99):.0f} ms"
         )
     if best is not None:
-        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms"):
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "scheduling_delay_p50_ms"):
             out[k] = best.figures.get(k)
         out["prefix_hit_rate"] = best.figures.get("prefix_hit_rate")
     return out
@@ -674,7 +677,7 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         for s in (c["stallfree-default"], c["stallfree-tbt"], c["stallfree-budget"], c["vllm"]):
             if s is None:
                 continue
-            keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+            keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "scheduling_delay_p50_ms")
             figures = [f"{s.get(k) or 0.0:.0f}" for k in keys]
             row = [c["trace"], c["slo"], s["engine"], f"{s['capacity_req_per_s']:.3g}", *figures, s["trials"]]
             cells.append([*row, s.get("runs_at_capacity", "")])

@@ -16,6 +16,10 @@ Phase budget512 (chunked prefill, 64 sequences): decode throughput at 8 and
 32 streams, and 8 running streams while one 2,000-token prompt arrives.
 Phases budget256 and unchunked: the same interference run, stallfree
 switched live through /api/config, vLLM restarted with the matching flags.
+Phase targeted: the same run against each engine as started out of the box
+at budget 512: stallfree restarted without ``NO_TARGETS``, so it holds the
+TBT and TTFT targets ``stallfree serve`` derives at start (recorded), and
+vLLM at budget 512 (``start.sh``'s), which has no target to hold.
 The engines alternate run by run (A B A B ...); each row's ratio is taken per
 repeat (stallfree run i / vLLM run i) and reported as median [min–max].
 Writes a new bench/results/compare-<date>.{json,md,png}.
@@ -47,8 +51,9 @@ MODEL_DIR = VLLM / "smollm2-hf"
 
 
 def start_engine_stallfree(
-    log: Path, dtype: str, compute: str = "float", kv_dtype: str = "auto", threads: int = 1
+    log: Path, dtype: str, compute: str = "float", kv_dtype: str = "auto", threads: int = 1, targets: bool = False
 ) -> StallfreeServer:
+    """The server at budget 512; ``targets``: with the targets serve derives, else none."""
     return StallfreeServer(
         "--model",
         str(MODEL_DIR),
@@ -66,7 +71,7 @@ def start_engine_stallfree(
         "64",
         "--max-model-len",
         "4096",
-        *NO_TARGETS,
+        *(() if targets else NO_TARGETS),
         log=log,
     )
 
@@ -89,6 +94,7 @@ PHASES = {
     "budget512": ({"chunking": "stall_free", "token_budget": 512}, ["--max-num-batched-tokens", "512"]),
     "budget256": ({"chunking": "stall_free", "token_budget": 256}, ["--max-num-batched-tokens", "256"]),
     "unchunked": ({"chunking": "none"}, ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),
+    "targeted": ({"chunking": "stall_free", "token_budget": 512}, []),
 }
 
 
@@ -99,7 +105,7 @@ def main() -> None:
     ap.add_argument("--compute", default="float", choices=["float", "int8"], help="stallfree's --compute")
     ap.add_argument("--kv-dtype", default="auto", help="stallfree's --kv-dtype (vLLM's cache stays in --dtype)")
     ap.add_argument("--threads", type=int, default=1, help="each engine's compute threads")
-    ap.add_argument("--phases", default=",".join(PHASES), help="which of " + ", ".join(PHASES))
+    ap.add_argument("--phases", default=",".join(PHASES), help="which of " + ", ".join(PHASES) + ", in order")
     args = ap.parse_args()
     phases = {p: PHASES[p] for p in args.phases.split(",")}
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
@@ -130,12 +136,25 @@ def main() -> None:
     vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"} if args.threads > 1 else None
     sf_port = sf.port
     vl = None
+    targeted = False
+    derived: dict[str, float] = {}  # the targets the targeted server derived
     targets = {
         "stallfree": StallfreeTarget(f"ws://127.0.0.1:{sf_port}/v1/stream"),
         "vllm": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
     }
     try:
         for phase, (config, vllm_flags) in phases.items():
+            if (phase == "targeted") != targeted:  # the other kind of stallfree server
+                sf.stop()
+                targeted = phase == "targeted"
+                sf = start_engine_stallfree(
+                    logs / f"stallfree-{phase}.log", dtype, args.compute, args.kv_dtype, args.threads, targeted
+                )
+                sf_port = sf.port
+                targets["stallfree"] = StallfreeTarget(f"ws://127.0.0.1:{sf_port}/v1/stream")
+                if targeted:
+                    scheduler = httpx.get(f"http://127.0.0.1:{sf_port}/api/config", timeout=30).json()["scheduler"]
+                    derived = {k: scheduler[k] for k in ("tbt_slo_ms", "ttft_slo_ms")}
             httpx.put(f"http://127.0.0.1:{sf_port}/api/config", json=config, timeout=30).raise_for_status()
             vl = start_vllm(vl_port, logs / f"vllm-{phase}.log", "--dtype", dtype, *vllm_flags, env=vllm_env)
             for rep in range(args.repeats):
@@ -155,7 +174,7 @@ def main() -> None:
         if vl is not None:
             stop(vl)
         sf.stop()
-    write(rows, streams_kept, args, dtype)
+    write(rows, streams_kept, args, dtype, derived)
 
 
 METRICS = [  # (phase, scenario, group, key, label, higher is better)
@@ -174,10 +193,21 @@ METRICS = [  # (phase, scenario, group, key, label, higher is better)
     ("unchunked", "interference", "decoders", "itl_p99_ms", "chunking off: 8 streams' ITL p99 (ms)", False),
     ("unchunked", "interference", "decoders", "max_gap_ms", "chunking off: 8 streams' max gap (ms)", False),
     ("unchunked", "interference", "long", "ttft_p50_ms", "chunking off: 2,000-token prompt TTFT (ms)", False),
+    *(
+        ("targeted", "interference", group, key, f"out of the box: {label}", False)
+        for group, key, label in (
+            ("decoders", "itl_p50_ms", "8 streams' ITL p50 (ms)"),
+            ("decoders", "itl_p99_ms", "8 streams' ITL p99 (ms)"),
+            ("decoders", "max_gap_ms", "8 streams' max gap (ms)"),
+            ("long", "ttft_p50_ms", "2,000-token prompt TTFT (ms)"),
+        )
+    ),
 ]
 
 
-def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, dtype: str) -> None:
+def write(
+    rows: list[dict], streams: dict[str, list], args: argparse.Namespace, dtype: str, derived: dict[str, float]
+) -> None:
     metrics = []
     done = {r["phase"] for r in rows}
     for phase, scenario, group, key, label, higher in METRICS:
@@ -214,6 +244,7 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
                 "kv_dtype": args.kv_dtype,
                 "repeats": args.repeats,
                 "threads": args.threads,
+                "targeted_stallfree_targets": derived,
                 "table": metrics,
                 "runs": rows,
             },
@@ -243,6 +274,12 @@ def write(rows: list[dict], streams: dict[str, list], args: argparse.Namespace, 
             ]
         )
     lines += table(["metric", "stallfree", "vLLM", "ratio", "better"], cells, "lrrrc")
+    if derived:
+        lines += [
+            "",
+            f"Out of the box: stallfree held the targets serve derived at start (TBT {derived['tbt_slo_ms']:.1f} ms,"
+            f" TTFT {derived['ttft_slo_ms']:.0f} ms) at budget 512; vLLM ran at budget 512 with no target.",
+        ]
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(streams, base.with_suffix(".png"))
     print("\n".join(lines))

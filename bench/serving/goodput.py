@@ -242,7 +242,7 @@ def simulated_trial(
         "ttft_p50_ms": s["ttft_p50_ms"],
         "itl_p99_ms": s["itl_p99_ms"],
     }
-    return Trial(rate, s["itl_p99_ms"], s["queue_wait_p50_ms"], 0, figures, good / len(window))
+    return Trial(rate, s["itl_p99_ms"], s["scheduling_delay_p50_ms"], 0, figures, good / len(window))
 
 
 def predict(
@@ -316,10 +316,10 @@ class Trials:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         started = time.perf_counter()
         window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
-        results, measured, queue_wait_ms = replay_trial(self.engines, engine, window, self.tokenizer, self.warmup)
+        results, measured, scheduling_delay_ms = replay_trial(self.engines, engine, window, self.tokenizer, self.warmup)
         metrics = self.engines[engine].base_url.removesuffix("/v1") + "/metrics"
         summary = summarize(measured, tbt_slo_ms=self.slo_ms, ttft_slo_ms=TTFT_SLO_MS)
-        summary["queue_wait_p50_ms"] = queue_wait_ms if queue_wait_ms is not None else float("inf")
+        summary["scheduling_delay_p50_ms"] = scheduling_delay_ms if scheduling_delay_ms is not None else float("inf")
         # every refusal of the trial, the warm-up's too: the shedding check reads each
         summary["refusals_ms"] = [round((res.refused_s or 0.0) * 1e3, 2) for res in results if res.refused]
         summary["wall_s"] = time.perf_counter() - started

@@ -37,7 +37,7 @@ from stallfree.loadtest.stats import summarize
 from stallfree.loadtest.workloads import WordPrompts, trace_jobs
 
 TBT_BUDGET = 512  # with the target: the engine's default (see bench.serving.capacity)
-FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "scheduling_delay_p50_ms")
 
 
 def main() -> None:
@@ -79,8 +79,8 @@ def main() -> None:
                 wait_idle(url + "/metrics")
                 jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
                 # a run still going DRAIN_S after its last arrival is cut (its requests count as errors)
-                results, queue_wait_ms = replay_jobs(target, jobs, url + "/metrics", args.duration_s + DRAIN_S)
-                s = summarize(results, queue_wait_ms=queue_wait_ms)
+                results, scheduling_delay_ms = replay_jobs(target, jobs, url + "/metrics", args.duration_s + DRAIN_S)
+                s = summarize(results, scheduling_delay_ms=scheduling_delay_ms)
                 runs.append({"setting": name, "value": value, "repeat": repeat, **s})
                 print(
                     f"{name}={value:g} #{repeat}: TTFT p50 {s['ttft_p50_ms']:.0f} p99 {s['ttft_p99_ms']:.0f}, "
@@ -125,7 +125,7 @@ def write(args: argparse.Namespace, spec: TraceSpec, requests: int, runs: list[d
         f"medians of {args.repeats} runs, settings alternating. Times in ms.",
         "",
     ]
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "scheduling_delay_p50_ms")
     cells = [
         [f"{label} {r['value']:g}", *(f"{r[k]:.0f}" for k in keys)]
         for label, rows in (("token budget", by_budget), (f"TBT target (budget {TBT_BUDGET}), ms", by_target))

@@ -2,8 +2,12 @@
 
 Capacity is the highest arrival rate at which the P99 time between tokens
 (every output token's gap, stalls and preemptions included) stays within the
-TBT SLO and the median scheduling delay (arrival to first scheduled) within
-2 s. ``Search`` finds it by trials at chosen rates: doubling or halving
+TBT SLO and the median scheduling delay within 2 s: arrival to first token,
+less the iterations the prompt's chunks ran in (``core.sched.timings``). For
+a scheduler that never pauses a started prompt (Sarathi-Serve's, vLLM's)
+that is arrival to first scheduled, as Sarathi-Serve measures it; a TTFT
+target's deadline order can pass over a started prompt, which then waits
+after its first chunk, and that wait counts. ``Search`` finds it by trials at chosen rates: doubling or halving
 from a first guess until one rate passes and a higher one fails, then
 bisecting (geometrically) until the two are within the tolerance (2.5 %,
 Sarathi-Serve's). Every trial of one search must replay the same requests
@@ -171,11 +175,16 @@ def search(
 
 
 def trial_from(rate: float, summary: dict[str, Any]) -> Trial:
-    """A trial from a run's summary (``itl_p99_ms``, ``queue_wait_p50_ms``, ``errors``;
+    """A trial from a run's summary (``itl_p99_ms``, ``scheduling_delay_p50_ms``, ``errors``;
     ``refused`` count as errors to an SLO; ``good_share`` where targets were judged)."""
     errors = summary.get("errors", 0) + summary.get("refused", 0)
     return Trial(
-        rate, summary["itl_p99_ms"], summary["queue_wait_p50_ms"], errors, summary, summary.get("good_share", 0.0)
+        rate,
+        summary["itl_p99_ms"],
+        summary["scheduling_delay_p50_ms"],
+        errors,
+        summary,
+        summary.get("good_share", 0.0),
     )
 
 

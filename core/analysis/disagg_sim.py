@@ -91,7 +91,8 @@ def simulate_disaggregated(
                 phases[req.request_id] = {
                     "prefill_worker_ms": t.e2e_ms,
                     "transfer_ms": (landed - done) / 1e6,
-                    "queue_wait_ms": t.queue_wait_ms,  # the scheduling delay: at the prefill worker
+                    "queue_wait_ms": t.queue_wait_ms,  # at the prefill worker
+                    "scheduling_delay_ms": t.scheduling_delay_ms,
                 }
                 cluster.at(landed, req.request_id)
             else:
@@ -139,7 +140,14 @@ def _report(
         "summary": {
             "requests": len(reqs),
             **summarize(finished, start, end),
-            **({"queue_wait_p50_ms": percentile([p["queue_wait_ms"] for p in phases.values()], 50)} if phases else {}),
+            **(
+                {
+                    "queue_wait_p50_ms": percentile([p["queue_wait_ms"] for p in phases.values()], 50),
+                    "scheduling_delay_p50_ms": percentile([p["scheduling_delay_ms"] for p in phases.values()], 50),
+                }
+                if phases
+                else {}
+            ),
             "transfer_p50_ms": percentile([p["transfer_ms"] for p in phases.values()], 50),
             "kv_used_blocks_after": sum(w.engine.kv.num_used_blocks for w in cluster.workers),
         },

@@ -93,7 +93,7 @@ def run_trial(setup: Setup, rate: float, mode: SchedulerConfig, disaggregated: b
     return trial_from(rate, summary)
 
 
-AT_CAPACITY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "queue_wait_p50_ms")
+AT_CAPACITY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_gap_ms", "scheduling_delay_p50_ms")
 
 
 def figures_at_capacity(row: dict[str, Any]) -> list[float]:
@@ -155,7 +155,7 @@ def goodput_capacities(setup: Setup, slo: SLO, ttft_slo_ms: float, first: float)
             summary = report(result)["summary"]
             share = good_share(result, ttft_slo_ms, slo.tbt_p99_ms)
             figures = {**summary, "good_share": share}
-            return Trial(rate, summary["itl_p99_ms"], summary["queue_wait_p50_ms"], 0, figures, share)
+            return Trial(rate, summary["itl_p99_ms"], summary["scheduling_delay_p50_ms"], 0, figures, share)
 
         found = search(run, criterion, first)
         best = found.at_capacity

@@ -5,6 +5,15 @@ queue_wait + prefill + decode = e2e by construction:
   prefill    = first token - first scheduled
   decode     = finish - first token
 Gaps (itl) are per token, never averaged per request first.
+
+The scheduling delay (Sarathi-Serve's capacity rule reads its median) is the
+time before the first token that the prompt was not being computed: arrival
+to first token, less the iterations its prompt's chunks ran in. Where a
+started prompt runs in every iteration until it is done (vLLM; stallfree
+without a TTFT target) that is queue_wait, up to the moments between
+iterations; where a TTFT target lets a prompt past its deadline give way to
+ones that can still make theirs, its first chunk says little: a prompt
+started early and then passed over had a short queue_wait and a long wait.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ def gaps_ns(timeline: Timeline) -> list[int]:
 @dataclass(slots=True)
 class RequestTimings:
     queue_wait_ms: float
+    scheduling_delay_ms: float  # before the first token (or the end), not computing its prompt
     prefill_ms: float
     decode_ms: float
     ttft_ms: float
@@ -73,8 +83,10 @@ def request_timings(timeline: Timeline) -> RequestTimings:
     scheduled = timeline.scheduled_ns if timeline.scheduled_ns is not None else end
     first = timeline.first_token_ns if timeline.first_token_ns is not None else end
     gaps = [g * ms for g in gaps_ns(timeline)]
+    computing = sum(c.end_ns - c.start_ns for c in timeline.chunks if c.start_ns < first)  # not a recompute's
     return RequestTimings(
         queue_wait_ms=(scheduled - arrival) * ms,
+        scheduling_delay_ms=max(0, first - arrival - computing) * ms,
         prefill_ms=(first - scheduled) * ms,
         decode_ms=(end - first) * ms,
         ttft_ms=(first - arrival) * ms if timeline.first_token_ns is not None else 0.0,
@@ -109,16 +121,18 @@ def judge(timings: RequestTimings, ttft_slo_ms: float, tbt_slo_ms: float, comple
 
 
 def summarize(requests: Iterable[Request], start_ns: int, end_ns: int) -> dict[str, float]:
-    """A run's latency figures over its requests: every TTFT, scheduling delay
-    (queue wait) and gap pooled, throughput over [start_ns, end_ns]."""
+    """A run's latency figures over its requests: every TTFT, queue wait,
+    scheduling delay and gap pooled, throughput over [start_ns, end_ns]."""
     ttfts: list[float] = []
     waits: list[float] = []
+    delays: list[float] = []
     gaps: list[float] = []
     out_tokens = 0
     for req in requests:
         timings = request_timings(req.timeline)
         ttfts.append(timings.ttft_ms)
         waits.append(timings.queue_wait_ms)
+        delays.append(timings.scheduling_delay_ms)
         gaps += [g / 1e6 for g in gaps_ns(req.timeline)]
         out_tokens += req.num_output_tokens
     duration_ns = end_ns - start_ns
@@ -129,6 +143,7 @@ def summarize(requests: Iterable[Request], start_ns: int, end_ns: int) -> dict[s
         "ttft_p50_ms": percentile(ttfts, 50),
         "ttft_p99_ms": percentile(ttfts, 99),
         "queue_wait_p50_ms": percentile(waits, 50),
+        "scheduling_delay_p50_ms": percentile(delays, 50),
         "itl_p50_ms": percentile(gaps, 50),
         "itl_p99_ms": percentile(gaps, 99),
         "max_gap_ms": max(gaps, default=0.0),

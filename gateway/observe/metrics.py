@@ -77,6 +77,9 @@ class Metrics(Observer):
         self.itl = hist("itl", "Every inter-token gap")
         self.max_gap = hist("max_gap", "Largest inter-token gap of each finished request")
         self.queue_wait = hist("queue_wait", "Arrival to first scheduled")
+        self.scheduling_delay = hist(
+            "scheduling_delay", "Arrival to first token, less the iterations its prompt ran in (the capacity rule's)"
+        )
         self.prefill = hist("prefill", "First scheduled to first token")
         self.decode = hist("decode", "First token to finish")
         self.e2e = hist("e2e", "Arrival to finish")
@@ -248,6 +251,7 @@ class Metrics(Observer):
             return
         scheduled = tl.scheduled_ns if tl.scheduled_ns is not None else tl.finished_ns
         self.queue_wait.observe((scheduled - tl.arrival_ns) / 1e9)
+        self.scheduling_delay.observe(timings.scheduling_delay_ms / 1e3)
         self.e2e.observe((tl.finished_ns - tl.arrival_ns) / 1e9)
         if tl.first_token_ns is not None:
             self.ttft.observe((tl.first_token_ns - tl.arrival_ns) / 1e9)
