@@ -116,8 +116,10 @@ async def test_cancel_while_the_prompt_is_computed_frees_the_prefill_replica_s_k
         await send(ws, type="generate", id="c", prompt="w " * 7000, max_tokens=4, ignore_eos=True)
         assert (await recv(ws))["type"] == "accepted"
         rid, _ = await placed(PREFILL_BOARD, before)
-        await asyncio.sleep(0.3)  # a report while it is computed
-        assert sum(cluster.kv_used().values()) > 0
+        deadline = time.monotonic() + 30  # the prefill replica reports its KV while the prompt is computed
+        while sum(cluster.kv_used().values()) == 0:
+            assert time.monotonic() < deadline, "no replica reported the prompt's KV while it was computed"
+            await asyncio.sleep(0.05)
         await send(ws, type="cancel", id="c")
         frames = (await collect(ws, ["c"]))["c"]
     assert frames[-1]["finish_reason"] == "cancelled"
