@@ -51,31 +51,25 @@ at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
   const int64_t nblocks = N / NBLK, mblocks = (M + MBLK - 1) / MBLK;
-  // Items that do not deal out evenly (a 576-wide layer is 9 blocks: 5 and 4 on two
-  // threads) are cut into half blocks, 32 columns read from the 64 of the packed rows.
-  const int64_t halves = (nblocks * mblocks) % at::get_num_threads() != 0 ? 2 : 1, cols = NBLK / halves;
-  at::parallel_for(0, nblocks * halves * mblocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[MBLK * NBLK];  // a bf16 output's products before rounding
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t part = i / mblocks, m0 = (i % mblocks) * MBLK;  // a weight block stays in cache over the rows
-      const int64_t n0 = (part / halves) * NBLK, h = (part % halves) * cols;
+      const int64_t n0 = (i / mblocks) * NBLK, m0 = (i % mblocks) * MBLK;  // a weight block stays in cache over the rows
       const int64_t mb = std::min<int64_t>(MBLK, M - m0);
-      float* yf = float_out ? y.data_ptr<float>() + m0 * N + n0 + h : c;
+      float* yf = float_out ? y.data_ptr<float>() + m0 * N + n0 : c;
       const int64_t ldc = float_out ? N : NBLK;
-      // VNNI rows of the block hold NBLK column pairs: a half starts 2 * h values in
-      at::native::cpublas::brgemm(mb, cols, K, lda, NBLK, ldc, false, xp + m0 * lda, wp + n0 * K + 2 * h, yf, true);
+      at::native::cpublas::brgemm(mb, NBLK, K, lda, NBLK, ldc, false, xp + m0 * lda, wp + n0 * K, yf, true);
       if (!float_out) {
-        c10::BFloat16* yb = y.data_ptr<c10::BFloat16>() + m0 * N + n0 + h;
+        c10::BFloat16* yb = y.data_ptr<c10::BFloat16>() + m0 * N + n0;
         for (int64_t r = 0; r < mb; ++r)
-          for (int64_t j = 0; j < cols; j += W) {
+          for (int64_t j = 0; j < NBLK; j += W) {
             vf v = load(c + r * NBLK + j);
-            if (bp) v += load(bp + n0 + h + j);
+            if (bp) v += load(bp + n0 + j);
             store(yb + r * N + j, v);
           }
       } else if (bp) {
         for (int64_t r = 0; r < mb; ++r)
-          for (int64_t j = 0; j < cols; j += W)
-            store(yf + r * N + j, load(yf + r * N + j) + load(bp + n0 + h + j));
+          for (int64_t j = 0; j < NBLK; j += W) store(yf + r * N + j, load(yf + r * N + j) + load(bp + n0 + j));
       }
     }
     at::native::cpublas::brgemm_release(true);
