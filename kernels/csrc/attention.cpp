@@ -7,7 +7,8 @@
 // Two score loops: a decode row (one query token) takes dot products straight
 // from the cache rows (with AMX: tile products over those rows); a prefill
 // tile (many query vectors) packs each KV tile transposed into a small float
-// buffer and multiplies as an outer product, so the inner loop is a vector FMA over tokens with no horizontal sums.
+// buffer and multiplies as an outer product, so the inner loop is a vector
+// FMA over tokens with no horizontal sums.
 // Causality is applied only within the chunk: query row i of a chunk with
 // prefix p sees keys [0, p + i].
 //
