@@ -14,6 +14,10 @@ without a TTFT target) that is queue_wait, up to the moments between
 iterations; where a TTFT target lets a prompt past its deadline give way to
 ones that can still make theirs, its first chunk says little: a prompt
 started early and then passed over had a short queue_wait and a long wait.
+A prompt spread thin (a few tokens in each of many iterations) counts each
+of them as computing it, so under a deadline order that spreads the late
+ones the median can stay low while their first tokens come late: judge
+such a scheduler by goodput.
 """
 
 from __future__ import annotations
