@@ -75,6 +75,26 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   return out;
 }
 
+// 1 / x for x >= 1: with AVX-512 the 14-bit estimate and one Newton step
+// (relative error ~2^-27), a quarter of a division's time.
+inline vf reciprocal(vf x) {
+#if defined(__AVX512F__)
+  const vf r = (vf)_mm512_rcp14_ps((__m512)x);
+  return r * (2.f - x * r);
+#else
+  return 1.f / x;
+#endif
+}
+
+// a * sigmoid(a) = a / (1 + 2^(-a log2 e)), the power clamped to 2^126 (a
+// below -87: the product is a * ~1e-38, as the division's would be). The
+// exponential and the division took a 512-row prefill's calls ~350 us each
+// on one thread of the 2-core Xeon, 8 % of the iteration.
+inline vf silu(vf a) {
+  const vf e = vexp2<6>(vmin(a * -1.44269504088896341f, splat(126.f)));
+  return a * reciprocal(1.f + e);
+}
+
 template <typename T>
 void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t F = out.size(1);
@@ -83,10 +103,7 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t xs = x.stride(0);
   rows(x.size(0), [&](int64_t t) {
     const T* g = xp + t * xs;
-    for (int64_t i = 0; i < F; i += W) {
-      vf a = load(g + i);
-      store(op + t * F + i, a / (1.f + vexp(-a)) * load(g + F + i));
-    }
+    for (int64_t i = 0; i < F; i += W) store(op + t * F + i, silu(load(g + i)) * load(g + F + i));
   });
 }
 

@@ -37,18 +37,27 @@ inline vf load(const float* p) {
 }
 
 inline vf load(const c10::BFloat16* p) {
+#if defined(__AVX512F__)  // one widening load and a shift (GCC's convertvector split it in halves)
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vf)_mm512_slli_epi32(u, 16);
+#else
   vh h;
   std::memcpy(&h, p, sizeof(h));
   return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void store(c10::BFloat16* p, vf v) {
+#if defined(__AVX512BF16__)  // one vcvtneps2bf16: the same rounding, values below 2^-126 to 0
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
   vu u = (vu)v;
   u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
   vh h = __builtin_convertvector(u >> 16, vh);
   std::memcpy(p, &h, sizeof(h));
+#endif
 }
 
 // W bytes widened to W int32 lanes (one vpmovzx/sx; GCC's convertvector
