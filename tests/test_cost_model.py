@@ -18,6 +18,20 @@ def test_linear_and_attention_rooflines_add():
     assert cost.iteration_s([500] * 8, []) == pytest.approx(linear + attention + 0.01)
 
 
+def test_decode_and_chunk_attention_are_rooflines_of_their_own():
+    """Decodes' attention is bound by its KV reads, a chunk's by its FLOPs: each
+    takes its own time (taken together, the chunk's compute hid under the reads)."""
+    hw = HardwareSpec("h", flops=1e11, mem_bw=1e10, attention_flops=5e10)
+    cost = CostModel(SPEC, hw, attention=True, kv_reads=True)
+    decodes, chunk = [2000] * 16, [(1500, 256)]
+    decode_reads = 16 * 2000 * SPEC.kv_bytes_per_token / hw.mem_bw
+    chunk_compute = SPEC.attention_flops(1500, 256) / 5e10
+    assert decode_reads > 16 * SPEC.attention_flops(2000, 1) / 5e10  # the decodes' reads bind
+    assert chunk_compute > 1500 * SPEC.kv_bytes_per_token / hw.mem_bw  # the chunk's FLOPs bind
+    linear = cost.linear_s(16 + 256)
+    assert cost.iteration_s(decodes, chunk) == pytest.approx(linear + decode_reads + chunk_compute)
+
+
 def test_without_overlap_weight_reads_add_to_compute():
     hw = HardwareSpec("h", flops=1e11, mem_bw=1e10, overlap=False)
     compute, memory = 2 * SPEC.params * 300 / hw.flops, SPEC.weight_bytes / hw.mem_bw
