@@ -3,16 +3,19 @@ only their argmax.
 
 The head runs in float32 (``LlamaModel`` says why: a greedy choice can hang
 on a 0.08 logit gap). Over many rows that is a float32 GEMM over the whole
-vocabulary; where oneDNN's bf16 brgemm runs (AMX) a row that wants only its
-argmax (``SamplingParams.argmax_only``) takes a screen instead:
+vocabulary; where bf16 products run (oneDNN's brgemm on AMX, else
+AVX512-BF16's ``vdpbf16ps``) a row that wants only its argmax
+(``SamplingParams.argmax_only``) takes a screen instead:
 
-1. logits of the operands rounded to bf16, summed in float32 (the brgemm);
+1. logits of the operands rounded to bf16, summed in float32 (the brgemm or
+   the dot-product kernel);
 2. a bound on each one's error: rounding x and w_v to bf16 moves x . w_v by
    at most (2u + u^2) sum |x_k w_vk| <= (2u + u^2) ||x|| ||w_v||, u = 2^-8,
    and float32 sums of K terms (the screen's and the recheck's) by at most
    K 2^-24 each of about the same (doubled here for the screen's slightly
    larger terms), so E_v = C ||x|| ||w_v|| with the sum of all, plus a floor
-   for the subnormal products AMX flushes to zero;
+   for the subnormal operands, products and sums both instructions flush to
+   zero;
 3. every entry that could still lead (screen_v + E_v >= max_u(screen_u -
    E_u)) recomputed in float32 and written over its screened value. The
    screen notes each row's max(screen_v - E_v) and max(screen_v + E_v) over
@@ -36,36 +39,43 @@ from __future__ import annotations
 import torch
 
 from stallfree.kernels import cpu_build
-from stallfree.kernels.linear import Linear
+from stallfree.kernels.linear import Linear, dot_available
 
 U = 2.0**-8  # bf16's unit roundoff (round to nearest even)
-FLUSHED = 1e-30  # at most K subnormal products (each < 2^-126) flushed to zero
+# at most K subnormal operands, products or sums (each under 2^-126 times the
+# other operand, far below 1e5 here) flushed to zero
+FLUSHED = 1e-30
 
 
 class ScreenedHead:
-    # Fewer rows than this take the float32 head whole: its compact copy reads
-    # fewer bytes than the bf16 screen; at 8 rows the screen took 1.3x its time,
-    # at 16 0.6-0.8x, at 32 0.7x (head-2026-12-05-2, 1 and 2 threads).
-    MIN_ROWS = 16
+    # Fewer rows than this take the float32 head whole. AMX (2-core Xeon): its
+    # compact copy reads fewer bytes than the bf16 screen; at 8 rows the screen
+    # took 1.3x its time, at 16 0.6-0.8x, at 32 0.7x (head-2026-12-05-2, 1 and 2
+    # threads). vdpbf16ps (2-core Zen 4): the whole head's float32 FMAs cost more
+    # from 4 rows: the screen took 0.78-0.87x its time at 4, 0.55-0.61x at 8,
+    # 0.47-0.49x at 32 (head-2026-12-06).
+    MIN_ROWS_AMX, MIN_ROWS_DOT = 16, 4
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight  # float32 [V, K]: the rechecks read its rows
+        self.min_rows = self.MIN_ROWS_AMX if cpu_build.has_amx() else self.MIN_ROWS_DOT
         self.packed = self._pack(weight.bfloat16())
         self.norms = weight.norm(dim=1)  # ||w_v||
         self.c = 2 * U + U * U + 4 * weight.shape[1] * 2.0**-24
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.stallfree.pack_bf16(w)
+        return torch.ops.stallfree.pack_bf16(w) if cpu_build.has_amx() else torch.ops.stallfree.pack_dot(w)
 
     def _screen(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """bf16 x . bf16 w_v for every v, summed in float32 (AMX brgemm), and
+        """bf16 x . bf16 w_v for every v, summed in float32 (AMX brgemm or vdpbf16ps), and
         bounds [V/64, R, 2]: each row's max(screen_v - E_v), max(screen_v + E_v)
         over each block of 64 entries."""
         return torch.ops.stallfree.screen(x.bfloat16(), self.packed, self.weight.shape[0], self.norms, scale, FLUSHED)
 
     @staticmethod
     def available(layer: Linear) -> bool:
-        """A float32 CPU head without bias whose shape the brgemm packing takes, where it runs (AMX)."""
+        """A float32 CPU head without bias whose shape both packings take, where
+        bf16 products run: oneDNN's brgemm (AMX) or the dot-product kernel."""
         w = layer.weight
         return (
             w.device.type == "cpu"
@@ -74,8 +84,7 @@ class ScreenedHead:
             and w.shape[0] % 64 == 0
             and w.shape[1] % 2 == 0
             and cpu_build.status().backend == "native"
-            and cpu_build.has_amx()
-            and bool(torch.ops.stallfree.bf16_brgemm())
+            and (bool(torch.ops.stallfree.bf16_brgemm()) if cpu_build.has_amx() else dot_available())
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The screened head (kernels.screened_head): a row that wants only its argmax
 gets the float32 head's argmax from a bf16 screen and float32 rechecks.
 
-Where AMX runs, the screen is the real one (oneDNN's bf16 brgemm); elsewhere
-the same arithmetic by torch (bf16-rounded operands, float32 sums), so the
-bound and the rechecks are tested on every machine."""
+Where bf16 products run, the screen is the real one (oneDNN's brgemm on AMX,
+else vdpbf16ps); elsewhere the same arithmetic by torch (bf16-rounded
+operands, float32 sums), so the bound and the rechecks are tested on every
+machine."""
 
 from __future__ import annotations
 
@@ -100,12 +101,12 @@ def test_only_rows_that_read_nothing_but_the_argmax_are_screened():
 def test_the_model_screens_argmax_rows_and_gives_the_others_the_whole_head(tiny_model):
     model = LlamaModel(tiny_model.config, tiny_model.weights, torch.float32, torch.device("cpu"))
     model.screen = screen_of(model.lm_head.weight)
-    rows = ScreenedHead.MIN_ROWS + 8
+    rows = model.screen.min_rows + 8
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(rows, tiny_model.config.hidden_size, generator=gen) * 3
     whole = kernels.linear(model.lm_head, x).float()
     few = torch.zeros(rows, dtype=torch.bool)
-    few[: ScreenedHead.MIN_ROWS - 1] = True
+    few[: model.screen.min_rows - 1] = True
     assert torch.equal(model._head(x, few), whole)  # too few to screen: the head whole
     mixed = torch.tensor([True, False] * 4 + [True] * (rows - 8))
     got = model._head(x, mixed)
@@ -130,7 +131,7 @@ def engine_outputs(tiny_model, screen: bool) -> tuple[list[list[int]], int]:
             return real(x)
 
         model.screen = spy  # type: ignore[assignment]
-        model.screen.MIN_ROWS = ScreenedHead.MIN_ROWS  # type: ignore[attr-defined]
+        model.screen.min_rows = real.min_rows  # type: ignore[attr-defined]
     engine = Engine(SchedulerConfig(max_num_seqs=32, max_model_len=512), CacheConfig(512, 16), runner)
     reqs = [
         Request(

@@ -91,7 +91,7 @@ class LlamaModel:
             as_dtype=torch.float32,
             body=False,
         )
-        # rows that want only their argmax screen it at a bf16 GEMM's cost where that runs (AMX)
+        # rows that want only their argmax screen it at a bf16 GEMM's cost where that runs (AMX, AVX512-BF16)
         head = self.lm_head
         self.screen = kernels.ScreenedHead(head.weight) if kernels.ScreenedHead.available(head) else None
         self.final_norm = w("model.norm.weight", torch.float32)
@@ -164,7 +164,7 @@ class LlamaModel:
         """The float32 head; enough rows that want only their argmax take the
         screen where it runs (kernels.screened_head), the others the head whole."""
         screen = self.screen
-        if screen is None or argmax_only is None or int(argmax_only.sum()) < screen.MIN_ROWS:
+        if screen is None or argmax_only is None or int(argmax_only.sum()) < screen.min_rows:
             return kernels.linear(self.lm_head, x).float()
         if bool(argmax_only.all()):
             return screen(x)

@@ -4,7 +4,9 @@
 // its screened value.
 //
 // screen: the logits by oneDNN's brgemm over the head packed by pack_bf16
-// (AMX), and while each block of 64 columns is still in cache, each row's
+// (AMX), or without AMX by vdpbf16ps (dot.h) over the head packed by
+// pack_dot: the same float32 sums of exact bf16 products (both flush
+// subnormals, which FLUSHED covers), and while each block of 64 columns is still in cache, each row's
 // bounds over it: max(screen_v - E_v) and max(screen_v + E_v). Two passes over
 // the whole vocabulary after the GEMM (the floor, then the candidates) read
 // 6 MB of logits twice at 32 rows and took 3.6 ms of a decode step on one
@@ -25,6 +27,7 @@
 #include <limits>
 #include <tuple>
 
+#include "dot.h"
 #include "vec.h"
 #include "vnni.h"
 
@@ -62,12 +65,25 @@ void block_bounds(const float* l, int64_t V, int64_t b, int64_t r0, int64_t r1, 
   }
 }
 
+#if defined(__AVX512BF16__)
+// logits [R][V], rows [m0, m0 + mb) of block b's NBLK columns, from the head
+// packed by pack_dot ([V/32][K/2][32][2]): the block is two of its blocks.
+void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t b, int64_t m0, int64_t mb, float* l,
+               int64_t V) {
+  for (int64_t blk = b * NBLK / DOT_COLS; blk < (b + 1) * NBLK / DOT_COLS; ++blk)
+    dot_gemm_f32(mb, DOT_COLS, K, x + m0 * K, K, w + blk * K * DOT_COLS, l + m0 * V + blk * DOT_COLS, V, false);
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor& packed, int64_t V,
                                           const at::Tensor& norms, const at::Tensor& scale, double flushed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [R, K]");
   const int64_t R = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == V * K && V % NBLK == 0,
-              "packed: the head by pack_bf16, V a multiple of 64");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == V * K &&
+                  V % NBLK == 0,
+              "packed: the head by pack_bf16 (or pack_dot: 4-d), V a multiple of 64");
+  const bool by_dot = packed.dim() == 4;
+  TORCH_CHECK(!by_dot || DOT, "screen: a head packed by pack_dot needs AVX512-BF16");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == V, "norms: float32 [V]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == R, "scale: float32 [R]");
   at::Tensor logits = at::empty({R, V}, x.options().dtype(at::kFloat));
@@ -79,11 +95,17 @@ std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor&
   at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / mblocks, m0 = (i % mblocks) * MBLK, mb = std::min<int64_t>(MBLK, R - m0);
-      at::native::cpublas::brgemm(mb, NBLK, K, K, NBLK, V, false, xp + m0 * K, wp + b * NBLK * K,
-                                  lp + m0 * V + b * NBLK, true);
+      if (by_dot) {
+#if defined(__AVX512BF16__)
+        dot_block(reinterpret_cast<const uint16_t*>(xp), K, reinterpret_cast<const uint16_t*>(wp), b, m0, mb, lp, V);
+#endif
+      } else {
+        at::native::cpublas::brgemm(mb, NBLK, K, K, NBLK, V, false, xp + m0 * K, wp + b * NBLK * K,
+                                    lp + m0 * V + b * NBLK, true);
+      }
       block_bounds(lp, V, b, m0, m0 + mb, np, sp, static_cast<float>(flushed), bp, R);
     }
-    at::native::cpublas::brgemm_release(true);
+    if (!by_dot) at::native::cpublas::brgemm_release(true);
   });
   return {logits, bounds};
 }
