@@ -12,11 +12,13 @@ busiest thread's work over the mean (1.0: even; equal-cost items, except
 attention, whose items are weighed by the keys they read). The rules, from
 ``kernels/csrc``:
 
-- ``gemm_dot`` (bf16 linear layers, AVX512-BF16): panels of rows x blocks of
-  32 output columns, grain 1; OpenMP's static split gives each thread a
+- ``gemm_dot`` (bf16 linear layers, AVX512-BF16): panels of rows (as many as
+  keep a panel's activations within 256 kB, their rows equal) x blocks of 32
+  output columns, grain 1; OpenMP's static split gives each thread a
   contiguous share of ceil(items / threads).
-- ``gemm`` (the float32 head over compact weights): blocks of 32 columns,
-  grain 4 (blocks per thread at least 4 where there are enough).
+- the head, for rows that want only their argmax (4 or more without AMX, 16
+  with): the bf16 screen's blocks of 64 columns x blocks of 32 rows, grain
+  1, then the rechecks a row each (a few dozen entries a row; not listed).
 - attention: a decode is one item (every KV head), or one per KV head when
   there are fewer decodes than twice the threads; a chunk is row tiles (at
   most 256 rows with AMX's brgemm; on several threads cut smaller, down to 32
@@ -42,6 +44,7 @@ from stallfree.core.model.loader import gguf_config
 
 NB = 32  # output columns per block (gemm_dot and gemm alike)
 DOT_ROWS, PANEL_BYTES = 14, 256 << 10
+SCREEN_COLS, SCREEN_ROWS = 64, 32  # the screened head's blocks (screen.cpp)
 TILE_ROWS = 768  # query vectors per prefill tile (AMX brgemm, bf16), divided by the group below
 MIN_TILE_ROWS = 32  # a chunk's tiles are cut no smaller to deal evenly
 
@@ -75,8 +78,8 @@ def lpt(costs: list[float], threads: int) -> tuple[list[float], list[float]]:
 
 
 def gemm_items(rows: int, k: int, n: int) -> int:
-    panel = max(DOT_ROWS, PANEL_BYTES // (2 * k) // DOT_ROWS * DOT_ROWS)
-    return math.ceil(rows / panel) * (n // NB)
+    most = max(DOT_ROWS, PANEL_BYTES // (2 * k) // DOT_ROWS * DOT_ROWS)
+    return math.ceil(rows / most) * (n // NB)
 
 
 def row(op: str, loads: list[float], items: int, counts: list[float] | None = None) -> dict[str, object]:
@@ -107,8 +110,8 @@ def step(cfg, threads: int, streams: int, chunk: int) -> list[dict[str, object]]
         items = gemm_items(rows, k, n)
         out.append(row(f"linear {name} ({k}x{n})", static_split(items, 1, threads), items))
     if streams:
-        head_items = cfg.vocab_size // NB
-        out.append(row(f"head ({h}x{cfg.vocab_size}, float32)", static_split(head_items, 4, threads), head_items))
+        head_items = cfg.vocab_size // SCREEN_COLS * math.ceil(streams / SCREEN_ROWS)
+        out.append(row(f"head, bf16 screen ({h}x{cfg.vocab_size})", static_split(head_items, 1, threads), head_items))
         split = streams < 2 * threads
         costs = [c * (1 if split else kvh) * g for c in contexts(streams) for _ in range(kvh if split else 1)]
         loads, counts = lpt(costs, threads)
