@@ -115,15 +115,15 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
     else:
         decode = "float32 FMA"
     threads = torch.get_num_threads()
-    screen = ScreenedHead.MIN_ROWS_AMX if amx else ScreenedHead.MIN_ROWS_DOT if dot_available() else 0
-    by = "AMX" if amx else "vdpbf16ps"
+    by = ScreenedHead.runs_on()
+    screen = ScreenedHead.MIN_ROWS_AMX if by == "AMX" else ScreenedHead.MIN_ROWS_DOT
     return {
         "kind": cpu_build.kind(),
         # what the engine was given, and what a kernel's parallel loop runs on (1 if built without OpenMP)
         "threads": f"{threads} (a kernel's loop runs on {torch.ops.stallfree.threads_used(4 * threads)})",
         "linear": gemm,
         "head": "float32, compact weights up to 64 rows"
-        + (f"; {screen}+ argmax-only rows: a bf16 screen ({by}), float32 rechecks" if screen else ""),
+        + (f"; {screen}+ argmax-only rows: a bf16 screen ({by}), float32 rechecks" if by else ""),
         "attention prefill": tiles,
         "attention decode": decode,
     }

@@ -73,9 +73,19 @@ class ScreenedHead:
         return torch.ops.stallfree.screen(x.bfloat16(), self.packed, self.weight.shape[0], self.norms, scale, FLUSHED)
 
     @staticmethod
+    def runs_on() -> str | None:
+        """The bf16 products the screen runs on here: oneDNN's brgemm ("AMX"),
+        the dot-product kernel ("vdpbf16ps"), or None where neither runs."""
+        if cpu_build.status().backend != "native":
+            return None
+        if cpu_build.has_amx():
+            return "AMX" if torch.ops.stallfree.bf16_brgemm() else None
+        return "vdpbf16ps" if dot_available() else None
+
+    @staticmethod
     def available(layer: Linear) -> bool:
         """A float32 CPU head without bias whose shape both packings take, where
-        bf16 products run: oneDNN's brgemm (AMX) or the dot-product kernel."""
+        the screen runs (``runs_on``)."""
         w = layer.weight
         return (
             w.device.type == "cpu"
@@ -83,8 +93,7 @@ class ScreenedHead:
             and layer.bias is None
             and w.shape[0] % 64 == 0
             and w.shape[1] % 2 == 0
-            and cpu_build.status().backend == "native"
-            and (bool(torch.ops.stallfree.bf16_brgemm()) if cpu_build.has_amx() else dot_available())
+            and ScreenedHead.runs_on() is not None
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from stallfree.core.model.embedded import embedded_model_path
 from stallfree.core.model.gguf import GGUFFile
 from stallfree.core.model.loader import gguf_config
 
-NB = 32  # output columns per block (gemm_dot and gemm alike)
+NB = 32  # output columns per block (gemm_dot)
 DOT_ROWS, PANEL_BYTES = 14, 256 << 10
 SCREEN_COLS, SCREEN_ROWS = 64, 32  # the screened head's blocks (screen.cpp)
 TILE_ROWS = 768  # query vectors per prefill tile (AMX brgemm, bf16), divided by the group below

@@ -6,8 +6,8 @@
 // screen: the logits by oneDNN's brgemm over the head packed by pack_bf16
 // (AMX), or without AMX by vdpbf16ps (dot.h) over the head packed by
 // pack_dot: the same float32 sums of exact bf16 products (both flush
-// subnormals, which FLUSHED covers), and while each block of 64 columns is still in cache, each row's
-// bounds over it: max(screen_v - E_v) and max(screen_v + E_v). Two passes over
+// subnormals, which FLUSHED covers); and while each block of 64 columns is
+// still in cache, each row's bounds over it: max(screen_v - E_v) and max(screen_v + E_v). Two passes over
 // the whole vocabulary after the GEMM (the floor, then the candidates) read
 // 6 MB of logits twice at 32 rows and took 3.6 ms of a decode step on one
 // thread of the 2-core Xeon; the bounds are 48 kB.
