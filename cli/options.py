@@ -135,6 +135,7 @@ SCHEDULER_FIELDS = (
     "long_prefill_tokens",
     "tbt_slo_ms",
     "ttft_slo_ms",
+    "ttft_reserve",
     "speculate",
     "draft_tokens",
     "ngram_min",
@@ -177,6 +178,13 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="TTFT target: waiting and partly prefilled prompts go least slack first (deadline minus the "
         "predicted prefill time still needed); a request may set its own (ttft_slo_ms). 0: off, arrival order "
         "(serve's default on the model: 2000; elsewhere 0)",
+    )
+    g.add_argument(
+        "--ttft-reserve",
+        type=float,
+        help="with TTFT targets: the share of each target kept in hand; while every queued prompt can make its "
+        "deadline, prefill takes only the tokens that finish each by its deadline less that share, so iterations "
+        "run below the TBT target (default 0: off, prefill as fast as the targets and budget allow)",
     )
     g.add_argument(
         "--speculate",

@@ -21,7 +21,7 @@ from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
 from stallfree.core.analysis.simulated_capacity import good_share
 from stallfree.core.analysis.simulator import Arrival, report, simulate
 from stallfree.core.sched.config import CacheConfig, Policy, SchedulerConfig
-from stallfree.core.sched.deadline import Forecast, Pace, slack_s, verdict
+from stallfree.core.sched.deadline import Forecast, Pace, slack_s, tokens_needed, verdict
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.policy import order_waiting
 from stallfree.core.sched.request import FinishReason
@@ -386,3 +386,80 @@ async def test_the_websocket_says_best_effort_and_refuses_with_a_frame(server):
         finally:
             server.client.settings.shed_load = False
     assert server.wait_kv_baseline() == 0
+
+
+# -- the reserve: chunks only as large as the deadlines need ---------------------------
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 400), st.floats(0.0, 2.0)), min_size=1, max_size=6),
+    st.integers(1, 64),
+    st.integers(1, 300),
+)
+def test_tokens_needed_is_the_fewest_that_keep_every_window(prompts, least, most):
+    """Against a count from ``least`` up: the first that finishes every prompt in
+    its window (iterations of the fake model's 10 ms + 0.5 ms a token, counted in
+    fractions), else ``most``."""
+    windows, through = [], 0
+    for tokens_, seconds in prompts:
+        through += tokens_
+        windows.append((through, seconds))
+
+    def iteration_s(n: int) -> float:
+        return (10.0 + 0.5 * n) / 1e3
+
+    def keeps(n: int) -> bool:
+        per_token = iteration_s(n) / n
+        return all(t * per_token <= s for t, s in windows)
+
+    low = max(1, min(least, most))
+    want = next((n for n in range(low, most + 1) if keeps(n)), most)
+    assert tokens_needed(windows, iteration_s, least, most) == want
+
+
+def reserve_run(reserve: float) -> dict:
+    """4 decodes of 200 tokens; from 0.5 s a 300-token prompt every 0.4 s; TBT target
+    60 ms, TTFT 1,000 ms: the queue always has slack."""
+    config = SchedulerConfig(
+        token_budget=100, max_num_seqs=16, tbt_slo_ms=60.0, ttft_slo_ms=1000.0, ttft_reserve=reserve
+    )
+    arrivals = [Arrival(0.0, f"d{i}", tokens(f"d{i}", 20), 200) for i in range(4)]
+    arrivals += [Arrival(0.5 + 0.4 * i, f"p{i}", tokens(f"p{i}", 300), 4) for i in range(6)]
+    return report(simulate(arrivals, config, CacheConfig(1024, 16), FakeCost()))
+
+
+def test_a_reserve_runs_iterations_below_the_tbt_target_and_still_keeps_every_deadline():
+    """Without a reserve each prompt's chunks fill the 60 ms target (100 tokens
+    beside 4 decodes) and it has its first token in ~210 ms; with half its
+    1,000 ms target in reserve the chunks are what finishing by 500 ms needs:
+    the decodes' worst gap falls from 60 to under half of it, the prompts'
+    first tokens come later, all within their 500 ms (and so within the target)."""
+    fast, held = reserve_run(0.0), reserve_run(0.5)
+    assert fast["summary"]["good_requests"] == held["summary"]["good_requests"] == 10
+    assert fast["summary"]["max_gap_ms"] == 60.0 and held["summary"]["max_gap_ms"] <= 30.0
+    prompts = [f"p{i}" for i in range(6)]
+    assert all(fast["requests"][p]["ttft_ms"] < 250 for p in prompts)
+    assert all(250 < held["requests"][p]["ttft_ms"] <= 500 for p in prompts)
+
+
+def test_chunks_grow_back_as_a_deadline_nears():
+    """A 300-token prompt with 1,000 ms, half in reserve: at arrival the floor's
+    16 tokens an iteration finish it by 500 ms (19 iterations of 18 ms); at
+    700 ms, inside its reserve, it takes the whole budget again."""
+    for now_ms, chunk in ((0, 16), (700, 100)):
+        e = engine(ttft_slo_ms=1000.0, ttft_reserve=0.5)
+        e.add_request(request("p", 300, arrival_ns=0))
+        e.clock.now_ns = now_ms * MS
+        seen, _ = step(e)
+        assert seen == [("p", chunk, True)], now_ms
+
+
+def test_no_reserve_while_a_queued_prompt_has_no_target_or_cannot_make_it():
+    """Holding back would only make such a prompt wait longer: the whole budget."""
+    for own_target in (0.0, 1.0):  # none of its own; one long past
+        e = engine(ttft_slo_ms=1000.0, ttft_reserve=0.5)
+        e.add_request(request("p", 300, arrival_ns=0))
+        other = request("q", 300, arrival_ns=0)
+        other.ttft_slo_ms = own_target
+        e.add_request(other)
+        seen, _ = step(e)
+        assert sum(n for _, n, prefill in seen if prefill) == 100, own_target

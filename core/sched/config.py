@@ -53,6 +53,7 @@ LIVE_SETTINGS = (
     "long_prefill_tokens",
     "tbt_slo_ms",
     "ttft_slo_ms",
+    "ttft_reserve",
     "speculate",
     "draft_tokens",
     "ngram_min",
@@ -74,6 +75,7 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
     "long_prefill_tokens": (int, 0, 1 << 24),
     "tbt_slo_ms": (float, 0.0, 600_000.0),
     "ttft_slo_ms": (float, 0.0, 600_000.0),
+    "ttft_reserve": (float, 0.0, 0.95),
     "speculate": (str, SPECULATE_MODES, None),
     "draft_tokens": (int, 1, 16),
     "ngram_min": (int, 1, 16),
@@ -107,6 +109,15 @@ class SchedulerConfig:
     deadline goes first; the starvation ceiling still puts any prompt waiting
     past ``max_defer_s`` first. 0: off (arrival order).
 
+    ttft_reserve: with TTFT targets, the share of each target kept in hand.
+    While every queued prompt has a target and can still meet it, an
+    iteration's prefill takes only the tokens that finish each prompt (in
+    deadline order) by its deadline less that share of its target
+    (``core.sched.deadline.tokens_needed``), so iterations run below the TBT
+    target and decodes' gaps have room; as deadlines near, chunks grow back
+    to what the TBT target allows. 0: off (prefill as fast as the TBT target
+    and the budget allow).
+
     speculate: ``ngram`` verifies up to ``draft_tokens`` draft tokens per
     decode (prompt lookup, ``ngram_min``..``ngram_max`` tokens matched) in the
     decode's own pass. Drafts take only what the batch leaves once every
@@ -133,6 +144,7 @@ class SchedulerConfig:
     long_prefill_tokens: int = 0
     tbt_slo_ms: float = 0.0
     ttft_slo_ms: float = 0.0
+    ttft_reserve: float = 0.0
     speculate: Speculate = Speculate.OFF
     draft_tokens: int = 4
     ngram_min: int = 2

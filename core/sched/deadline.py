@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from stallfree.core.sched.request import Request
@@ -63,6 +63,34 @@ def slack_s(req: Request, now_ns: int, pace: Pace | None) -> float:
         return math.inf
     needed = pace.prefill_s(req.num_pending_tokens) if pace is not None else 0.0
     return (due - now_ns) / 1e9 - needed
+
+
+def tokens_needed(windows: list[tuple[int, float]], iteration_s: Callable[[int], float], least: int, most: int) -> int:
+    """The fewest prefill tokens an iteration may take, from ``least`` to
+    ``most``, at which every prompt still finishes in its window; ``most``
+    where none does. ``windows``, in deadline order: (the prefill tokens
+    pending up to and including that prompt, the seconds it may take);
+    ``iteration_s(n)``: an iteration's predicted time with n prefill tokens.
+    Iterations are counted in fractions (tokens / n of them): the plan is made
+    again every iteration, and so counted, fewer tokens an iteration never
+    finish a prompt sooner (an iteration's fixed part, its decodes, is paid
+    per iteration), so the search bisects. Whole iterations would not bisect:
+    19 tokens can finish 301 in 16 iterations where 20 need 16 too, longer."""
+
+    def keeps(n: int) -> bool:
+        per_token = iteration_s(n) / n
+        return all(tokens * per_token <= seconds for tokens, seconds in windows)
+
+    least = max(1, min(least, most))
+    if keeps(least):
+        return least
+    if not keeps(most):
+        return most
+    lo, hi = least, most  # keeps(lo) false, keeps(hi) true
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if keeps(mid) else (mid, hi)
+    return hi
 
 
 # A prompt's place in the order: (its policy class, when it is due in perf_counter_ns;

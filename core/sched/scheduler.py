@@ -36,6 +36,13 @@ The SLO's P99 is over tokens: one slow iteration with 30 decodes puts 30 gaps
 in the tail, and a few hundred iterations' P99 is set by their one or two
 worst crowded ones, so the aim covers those, not the 99th.
 
+With TTFT targets and a ``ttft_reserve``, while every queued prompt has a
+target it can still make, the prefill passes take only the tokens that
+finish each prompt, nearest deadline first, by its deadline less that share
+of its target (``core.sched.deadline.tokens_needed``, at least the floor):
+iterations run below the TBT target while the queue has slack, and grow back
+to it as deadlines near (SLOs-Serve sizes chunks under both SLOs this way).
+
 With ``dynamic_chunking`` every iteration, the decodes and all its chunks, is
 also kept within the predicted time of a budget-sized chunk with no prefix
 (the level), with the same shares and floor, so the growing cost of attention
@@ -58,7 +65,7 @@ from stallfree.core.sched.block_manager import Admitted, BlockManager
 from stallfree.core.sched.chunk_rule import BUDGET, WHOLE, ChunkRule
 from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
-from stallfree.core.sched.deadline import Forecast, Pace, slack_s
+from stallfree.core.sched.deadline import Forecast, Pace, deadline_ns, slack_s, tokens_needed
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.fairness import TenantCounters
 from stallfree.core.sched.forecast import forecast_entry
@@ -336,6 +343,8 @@ class Scheduler:
         assert slack is not None
         admitting = True
         order = self._by_deadline(now_ns)
+        held = left - self._deadline_tokens(batch, order, slack, now_ns, left)
+        left -= held
         runs = [(p, list(g)) for p, g in itertools.groupby(order, key=lambda r: r.status == RequestStatus.PREFILLING)]
         for i, (partial, run) in enumerate(runs):
             if left == 0:
@@ -357,7 +366,28 @@ class Scheduler:
 
                 left = self._admit(batch, left, shared, run, make_room=make_room)
                 admitting = run[-1].status != RequestStatus.WAITING
-        return left
+        return left + held
+
+    def _deadline_tokens(
+        self, batch: Batch, order: list[Request], slack: Callable[[Request], float], now_ns: int, left: int
+    ) -> int:
+        """With ``ttft_reserve``: the prefill tokens this iteration needs for every
+        prompt in ``order`` to finish by its deadline less its reserve; ``left``
+        (no cap) while a prompt has no target or cannot make it, or without a cost model."""
+        reserve = self.config.ttft_reserve
+        if not reserve or self.cost is None or not order or left <= 0:
+            return left
+        windows, through = [], 0
+        for req in order:
+            due = deadline_ns(req)
+            if due is None or req.ttft_slo_ms is None or slack(req) < 0:
+                return left
+            through += req.num_pending_tokens
+            windows.append((through, (due - now_ns) / 1e9 - reserve * req.ttft_slo_ms / 1e3))
+        decodes = batch.shape()[0]
+        cost = self.cost
+        needed = tokens_needed(windows, lambda n: cost.iteration_s(decodes, [(0, n)]), self.config.prefill_floor, left)
+        return min(left, needed)
 
     def _by_deadline(self, now_ns: int) -> list[Request]:
         """Partial prefills and waiting prompts merged into one order, each list
