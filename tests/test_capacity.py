@@ -53,10 +53,14 @@ def test_searches_interleave_trial_by_trial_and_give_up_below_the_lowest_rate():
     assert slow.result.rate == 0.0 and [t.rate for t in slow.trials] == [1.0, 0.5, 0.25]  # 0.125 < lowest
 
 
-def test_a_scheduling_delay_or_an_error_fails_a_trial():
+def test_a_scheduling_delay_a_late_first_token_or_an_error_fails_a_trial():
     slo = SLO(tbt_p99_ms=100.0)
     assert Trial(1.0, 50.0, 1999.0).meets(slo)
     assert not Trial(1.0, 50.0, 2001.0).meets(slo)  # the median request waited over 2 s to be scheduled
+    # never waiting, yet the median first token after 17 s: prompts that ran every
+    # iteration at the prefill floor (capacity-2026-12-06-3's default at 14.7 req/s)
+    assert not Trial(1.0, 50.0, 1986.0, ttft_p50_ms=17263.0).meets(slo)
+    assert Trial(1.0, 50.0, 1986.0, ttft_p50_ms=1999.0).meets(slo)
     assert not Trial(1.0, 50.0, 10.0, errors=1).meets(slo)
     found = search(lambda rate: Trial(rate, 1.0, 0.0, errors=1), slo, first=1.0, max_trials=6)
     assert found.rate == 0 and found.at_capacity is None

@@ -73,7 +73,8 @@ def test_a_429_is_a_refusal_with_its_latency_and_retry_after():
 
 
 def test_a_refused_request_still_fails_a_capacity_trial():
-    summary = {"itl_p99_ms": 10.0, "scheduling_delay_p50_ms": 10.0, "errors": 0, "refused": 1, "good_share": 0.95}
+    summary = {"itl_p99_ms": 10.0, "scheduling_delay_p50_ms": 10.0, "ttft_p50_ms": 50.0, "errors": 0, "refused": 1}
+    summary["good_share"] = 0.95
     trial = trial_from(1.0, summary)
     assert not trial.meets(SLO(100.0))  # capacity serves every request
     assert trial.meets(Goodput(0.9))  # goodput reads the good share alone

@@ -7,7 +7,8 @@
 
 Capacity is the highest arrival rate at which the P99 gap between tokens
 (every output token of every request) stays within the SLO and the median
-scheduling delay within 2 s, found by a binary search to 2.5 % over replays
+scheduling delay within 2 s, and (since 2026-12-06) the median TTFT too
+(``core.analysis.capacity_search`` says why), found by a binary search to 2.5 % over replays
 of the trace at scaled rates (``core.analysis.capacity_search``). Every trial of
 every search replays the same requests: the trace's first ``--requests``,
 their arrival pattern the trace's own, scaled to the trial's mean rate, so

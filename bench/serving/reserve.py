@@ -15,7 +15,7 @@ the configurations alternate within each repeat. The SLOs are given (the
 capacity record's, so the rates can be vLLM's capacities there). Reported per
 configuration and rate, medians over the repeats: TBT p50, p99 and worst gap,
 TTFT p50 and p99, the scheduling delay's median, and whether the SLO was met
-(P99 within it, scheduling delay median within 2 s, nothing failed).
+(P99 within it, the scheduling delay's and TTFT's medians within 2 s, nothing failed).
 
 ``--simulated``: no server; the same trials in the simulator (the real
 scheduler on the profile's cost model, ``--strict-target-ms`` for the target
@@ -208,14 +208,15 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         f"`{doc['command']}`; {describe(doc['machine'])}; {doc['dtype']}, one compute thread; "
         f"{doc['trace']}; server's cost model {doc['profile']}.",
         f"Targets per SLO (TTFT 2 s both): {json.dumps(doc['targets'])}. Medians over the repeats "
-        "[lowest-highest]; `met`: P99 gap within the SLO, scheduling delay's median within 2 s, nothing failed.",
+        "[lowest-highest]; `met`: P99 gap within the SLO, scheduling delay's and TTFT's medians within 2 s, "
+        "nothing failed.",
         "",
         *table(list(rows[0]), [list(r.values()) for r in rows], "lrr" + "r" * len(FIGURES) + "r"),
         "",
     ]
     if doc.get("capacity"):
         md += [
-            "Simulated capacity (P99 gap within the SLO, scheduling delay's median within 2 s; search to 2.5 %):",
+            f"Simulated capacity ({SLO(0.0).describe().split(', ', 1)[1]}, P99 TBT within the SLO; search to 2.5 %):",
             "",
             *table(
                 ["SLO", "reserve", "capacity (req/s)"],

@@ -7,7 +7,15 @@ less the iterations the prompt's chunks ran in (``core.sched.timings``). For
 a scheduler that never pauses a started prompt (Sarathi-Serve's, vLLM's)
 that is arrival to first scheduled, as Sarathi-Serve measures it; a TTFT
 target's deadline order can pass over a started prompt, which then waits
-after its first chunk, and that wait counts. ``Search`` finds it by trials at chosen rates: doubling or halving
+after its first chunk, and that wait counts. The median TTFT must also stay
+within 2 s (since 2026-12-06): under a TBT target a started prompt may run
+in every iteration at the prefill floor while the decodes fill the target,
+so it is never "waiting", and the scheduling delay alone passed trials whose
+median first token came after 16-20 s (capacity-2026-12-06-3 and -4, the
+Zen 4: stallfree's default "met" 14.7 req/s so). For a scheduler whose
+started prompts run at the budget (vLLM's), TTFT is the scheduling delay
+plus one prompt's prefill, so the guard asks little more of it.
+``Search`` finds it by trials at chosen rates: doubling or halving
 from a first guess until one rate passes and a higher one fails, then
 bisecting (geometrically) until the two are within the tolerance (2.5 %,
 Sarathi-Serve's). Every trial of one search must replay the same requests
@@ -38,9 +46,13 @@ STRICT, RELAXED = 5.0, 25.0  # Sarathi-Serve's SLOs: this many decode-only itera
 class SLO:
     tbt_p99_ms: float
     scheduling_delay_p50_ms: float = 2000.0
+    ttft_p50_ms: float = 2000.0
 
     def describe(self) -> str:
-        return f"P99 TBT <= {self.tbt_p99_ms:g} ms, P50 scheduling delay <= {self.scheduling_delay_p50_ms:g} ms"
+        return (
+            f"P99 TBT <= {self.tbt_p99_ms:g} ms, P50 scheduling delay <= {self.scheduling_delay_p50_ms:g} ms, "
+            f"P50 TTFT <= {self.ttft_p50_ms:g} ms"
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +75,7 @@ class Trial:
     errors: int = 0  # requests that failed (or were refused): a trial with any cannot meet an SLO
     figures: dict[str, Any] = field(default_factory=dict)
     good_share: float = 0.0  # good requests over all of them, refused included (what ``Goodput`` reads)
+    ttft_p50_ms: float = 0.0
 
     def meets(self, slo: SLO | Goodput) -> bool:
         if isinstance(slo, Goodput):  # failed requests are simply not good
@@ -71,6 +84,7 @@ class Trial:
             self.errors == 0
             and self.tbt_p99_ms <= slo.tbt_p99_ms
             and self.scheduling_delay_p50_ms <= slo.scheduling_delay_p50_ms
+            and self.ttft_p50_ms <= slo.ttft_p50_ms
         )
 
 
@@ -175,8 +189,8 @@ def search(
 
 
 def trial_from(rate: float, summary: dict[str, Any]) -> Trial:
-    """A trial from a run's summary (``itl_p99_ms``, ``scheduling_delay_p50_ms``, ``errors``;
-    ``refused`` count as errors to an SLO; ``good_share`` where targets were judged)."""
+    """A trial from a run's summary (``itl_p99_ms``, ``scheduling_delay_p50_ms``, ``ttft_p50_ms``,
+    ``errors``; ``refused`` count as errors to an SLO; ``good_share`` where targets were judged)."""
     errors = summary.get("errors", 0) + summary.get("refused", 0)
     return Trial(
         rate,
@@ -185,6 +199,7 @@ def trial_from(rate: float, summary: dict[str, Any]) -> Trial:
         errors,
         summary,
         summary.get("good_share", 0.0),
+        summary["ttft_p50_ms"],
     )
 
 
