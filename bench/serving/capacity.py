@@ -409,20 +409,11 @@ class Trials:
         if engine == "stallfree":
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         started = time.perf_counter()
-        results, measured, scheduling_delay_ms = replay_trial(
-            self.engines,
-            engine,
-            replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count)),
-            self.tokenizer,
-            self.warmup,
+        window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
+        results, summary = trial_summary(
+            self.engines, engine, window, self.tokenizer, self.warmup, r.search.slo.tbt_p99_ms
         )
         metrics = self.engines[engine].base_url.removesuffix("/v1") + "/metrics"
-        summary = summarize(measured, tbt_slo_ms=r.search.slo.tbt_p99_ms)
-        summary["errors"] += sum(res.error is not None for res in results) - sum(
-            res.error is not None for res in measured
-        )  # a failed warm-up request fails the trial too
-        # the same reading for both engines: the histogram's median (the server's own timings kept beside it)
-        summary["scheduling_delay_p50_ms"] = scheduling_delay_ms if scheduling_delay_ms is not None else float("inf")
         summary["wall_s"] = time.perf_counter() - started
         if engine == "stallfree":  # what the server's cost model has learnt of this machine
             summary["cost_corrections"] = corrections(metrics)
@@ -454,6 +445,26 @@ def replay_trial(
     )
     measured = sorted(results, key=lambda res: res.job.at_s)[int(len(results) * warmup) :]
     return results, measured, scheduling_delay_ms
+
+
+def trial_summary(
+    engines: dict[str, OpenAITarget],
+    engine: str,
+    window: list[TraceRequest],
+    tokenizer: Tokenizer,
+    warmup: float,
+    tbt_slo_ms: float,
+) -> tuple[list[Result], dict[str, Any]]:
+    """One trial through ``engine`` (``replay_trial``): every result, and the summary
+    the capacity rule reads (``trial_from``) of those judged."""
+    results, measured, scheduling_delay_ms = replay_trial(engines, engine, window, tokenizer, warmup)
+    summary = summarize(measured, tbt_slo_ms=tbt_slo_ms)
+    summary["errors"] += sum(res.error is not None for res in results) - sum(
+        res.error is not None for res in measured
+    )  # a failed warm-up request fails the trial too
+    # the same reading for both engines: the histogram's median (the server's own timings kept beside it)
+    summary["scheduling_delay_p50_ms"] = scheduling_delay_ms if scheduling_delay_ms is not None else float("inf")
+    return results, summary
 
 
 def corrections(metrics_url: str) -> dict[str, float]:

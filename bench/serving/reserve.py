@@ -40,7 +40,7 @@ import torch
 
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import StallfreeServer
-from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS, replay_trial
+from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS, trial_summary
 from stallfree.core.analysis.capacity_search import SLO, Trial, search, trial_from
 from stallfree.core.analysis.profiler import Profile
 from stallfree.core.analysis.simulator import report, simulate, trace_arrivals
@@ -49,7 +49,6 @@ from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.model_runner import resolve_dtype
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.loadtest.clients import OpenAITarget
-from stallfree.loadtest.stats import summarize
 
 FIGURES = ("itl_p50_ms", "itl_p99_ms", "max_gap_ms", "ttft_p50_ms", "ttft_p99_ms", "scheduling_delay_p50_ms")
 
@@ -109,12 +108,7 @@ def main() -> None:
                         config = {**targets[name], "ttft_reserve": reserve}
                         httpx.put(sf.url + "/api/config", json=config, timeout=30).raise_for_status()
                         window = replay(rows, spec.at(rate, args.requests))
-                        results, measured, delay = replay_trial(engines, "stallfree", window, tokenizer, args.warmup)
-                        summary = summarize(measured, tbt_slo_ms=slo_ms)
-                        summary["errors"] += sum(r.error is not None for r in results) - sum(
-                            r.error is not None for r in measured
-                        )
-                        summary["scheduling_delay_p50_ms"] = delay if delay is not None else float("inf")
+                        _, summary = trial_summary(engines, "stallfree", window, tokenizer, args.warmup, slo_ms)
                         met = trial_from(rate, summary).meets(SLO(slo_ms))
                         doc["trials"].append(
                             {"repeat": repeat, "rate": rate, "slo": name, "reserve": reserve, "met": met}
