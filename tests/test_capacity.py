@@ -53,6 +53,29 @@ def test_searches_interleave_trial_by_trial_and_give_up_below_the_lowest_rate():
     assert slow.result.rate == 0.0 and [t.rate for t in slow.trials] == [1.0, 0.5, 0.25]  # 0.125 < lowest
 
 
+def test_interleaved_searches_of_one_configuration_take_each_others_trials():
+    ran: list[float] = []
+
+    def run(rate: float) -> Trial:
+        ran.append(rate)
+        return Trial(rate, 10.0 * rate, 0.0)
+
+    known: dict[float, Trial] = {}
+    strict = Search(SLO(123.0), first=1.0, known=known)
+    relaxed = Search(SLO(400.0), first=3.0, known=known, max_trials=6)
+    while pending := [s for s in (strict, relaxed) if s.next_rate() is not None]:
+        for s in pending:
+            if (rate := s.next_rate()) is not None:
+                s.record(run(rate))
+    assert len(ran) == len(set(ran)) == len(known)  # no rate run twice
+    assert 12.3 / 1.025 <= strict.result.rate <= 12.3
+    assert relaxed.ran == 6 and len(relaxed.trials) > 6 and relaxed.result.rate <= 40
+    alone = Search(SLO(400.0), first=3.0, max_trials=6)
+    while (rate := alone.next_rate()) is not None:
+        alone.record(Trial(rate, 10.0 * rate, 0.0))
+    assert relaxed.hi / relaxed.lo < alone.hi / alone.lo  # the strict search's trials narrowed it
+
+
 def test_a_scheduling_delay_a_late_first_token_or_an_error_fails_a_trial():
     slo = SLO(tbt_p99_ms=100.0)
     assert Trial(1.0, 50.0, 1999.0).meets(slo)

@@ -370,15 +370,17 @@ def plan(
     speculate: str,
 ) -> list[Run]:
     """Every search, each from the simulator's prediction for its configuration;
-    vLLM's two searches (strict, relaxed) at one budget share their trials."""
+    the searches of one configuration that is the same at every SLO (vLLM at a
+    budget, serve's default) share their trials."""
     runs = []
     for t in traces:
-        shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets}
+        shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets} | {"stallfree-default": {}}
         for slo_name, slo in slos.items():
             guess = predicted[t.name][slo_name]
             for engine, config in stallfree_configs(slo, profile, default, speculate, sf_budgets).items():
                 first = max(guess[engine], 0.05)
-                found = Search(slo, first, TOLERANCE, max_trials=max_trials, lowest=first / 16)
+                known = shared.get(engine)
+                found = Search(slo, first, TOLERANCE, max_trials=max_trials, lowest=first / 16, known=known)
                 runs.append(Run(engine, t.name, slo_name, found))
                 runs[-1].config = config
             for b in budgets:

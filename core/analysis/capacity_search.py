@@ -110,7 +110,7 @@ class Search(Generic[Criterion]):
     comparison on a noisy machine needs). ``known``: trials already run on
     this configuration (for another SLO), shared and filled in as it goes.
 
-    From ``first`` it doubles (or halves) until one rate passes and a higher
+    From ``first`` (or the bracket known trials leave) it doubles (or halves) until one rate passes and a higher
     one fails, then bisects geometrically until they are within
     ``tolerance``; it gives up below ``lowest`` (capacity 0) and after
     ``max_trials``. It assumes that meeting the SLO is monotone in the rate."""
@@ -131,22 +131,20 @@ class Search(Generic[Criterion]):
         self.max_trials, self.lowest = max_trials, lowest
         self.known = {} if known is None else known
         self.trials: list[Trial] = []
-        passed = [r for r, t in self.known.items() if t.meets(slo)]
-        self.lo = max(passed, default=0.0)
-        self.hi = min((r for r, t in self.known.items() if not t.meets(slo) and r > self.lo), default=math.inf)
+        self.ran = 0  # trials this search ran (the others it took from ``known``)
+        self.lo, self.hi = 0.0, math.inf  # the highest rate met, the lowest missed
 
     def next_rate(self) -> float | None:
-        """The next rate to run, or None once the search is done (known trials are taken as they come)."""
-        while len(self.trials) < self.max_trials:
-            rate = self._proposal()
-            if rate is None:
-                return None
-            if rate not in self.known:
-                return rate
+        """The next rate to run, or None once the search is done. Every known
+        trial is taken first (one run since for another search narrows this one
+        too); ``max_trials`` counts this search's own."""
+        taken = {t.rate for t in self.trials}
+        for rate in sorted(r for r in self.known if r not in taken):
             self._take(self.known[rate])
-        return None
+        return self._proposal() if self.ran < self.max_trials else None
 
     def record(self, trial: Trial) -> None:
+        self.ran += 1
         self.known[trial.rate] = trial
         self._take(trial)
 
