@@ -1,5 +1,6 @@
 """The engine's dedicated thread: inbox, one callback per iteration, survival."""
 
+import gc
 import threading
 import time
 from types import SimpleNamespace
@@ -110,6 +111,37 @@ def test_thread_survives_runner_and_callback_failures(loop):
     loop.submit(request("c", 4, max_tokens=2))
     rec.wait_for(lambda: "c" in rec.done)
     assert loop.alive
+
+
+def test_each_iteration_says_whether_its_thread_computed_or_waited(loop):
+    loop, rec = loop
+    runner = loop.engine.runner
+    real = runner.execute
+
+    def computes(batch):  # 5 ms of this thread's CPU however busy the machine is
+        until = time.thread_time() + 0.005
+        while time.thread_time() < until:
+            pass
+        return real(batch)
+
+    def blocks(batch):
+        time.sleep(0.02)
+        return real(batch)
+
+    def collects(batch):
+        gc.collect()
+        return real(batch)
+
+    records = {}
+    for name, execute in (("computes", computes), ("blocks", blocks), ("collects", collects)):
+        runner.execute = execute
+        loop.submit(request(name, 4, max_tokens=1))
+        rec.wait_for(lambda name=name: name in rec.done)
+        records[name] = next(s.iteration for s in rec.steps if s.iteration and name in s.iteration.request_ids)
+    busy, idle = records["computes"], records["blocks"]
+    assert busy.thread_cpu_ns >= 5_000_000
+    assert idle.thread_cpu_ns < idle.duration_ns / 2 and idle.thread_waits >= 1  # asleep: the core given away
+    assert 0 < records["collects"].collector_ns <= records["collects"].duration_ns
 
 
 def test_a_broken_engine_fails_everything_and_nothing_waits_forever(loop):

@@ -14,9 +14,13 @@ predicted time, so the prediction's scatter is reported beside, and
 /proc/stat's steal time sampled every 0.1 s says how much of each iteration
 the hypervisor gave to someone else (this machine is a shared VM): the
 share of slow iterations (1.25 x their prediction) that lost 10 ms or more,
-against the share of all iterations that did; and the scatter of those that
-lost none, decode-only iterations apart from those with a prompt's chunk (the
-cost model's error shows in one kind, the machine's in both). The first
+against the share of all iterations that did. The feed also gives each
+iteration's step thread's CPU time, context switches and page faults
+(``getrusage``) and the garbage collector's time in it: the share of slow
+iterations whose thread lost its core (computed under 90 % of the time)
+against all, and the scatter of the quiet iterations (nothing stolen, the
+core kept), decode-only iterations apart from those with a prompt's chunk
+(the cost model's error shows in one kind, the machine's in both). The first
 trial after start (the aim has learnt nothing yet) is reported apart from
 the later ones, pooled. Warm-up requests (the first tenth) are left out, as
 in ``bench.serving.capacity``. Runs under ``bench.before_after`` (``--out``)
@@ -53,6 +57,9 @@ Token = tuple[int, int, int]  # emit, sent, received (ns)
 STEAL_EVERY_S = 0.1
 SLOW = 1.25  # measured / predicted: an iteration this much slower than predicted is slow
 STOLEN_MS = 10.0  # steal time (both CPUs) that counts an iteration as stolen from
+LOST = 0.1  # the step thread computed under 90 % of the iteration: it lost the core
+KEPT = 0.02  # computed 98 % of it or more: kept the core
+NEAR = 0.5  # predicted at half the target or more: near it
 
 
 async def generate(url: str, job: Arrival, t0: float) -> list[Token]:
@@ -81,7 +88,8 @@ async def generate(url: str, job: Arrival, t0: float) -> list[Token]:
 
 async def iterations(url: str, into: list[list[float]], stop: asyncio.Event) -> None:
     """Every iteration the dashboard's feed reports: [end ms, duration ms, decodes,
-    prefill, budget, predicted ms, target], the end moved onto this process's
+    prefill, budget, predicted ms, target, step thread's CPU ms, its preemptions,
+    its waits, page faults, collector ms], the end moved onto this process's
     clock (the feed's ms count from the server's own start: the offset is the
     least of receive time minus a frame's ``t``)."""
     offset = float("inf")
@@ -145,6 +153,31 @@ def stolen_during(steal: list[tuple[float, float]], start_ms: float, end_ms: flo
     return total
 
 
+@dataclass(slots=True)
+class Timed:
+    """An iteration with decodes, as ``figures`` reads it."""
+
+    ratio: float  # measured / predicted
+    share: float  # predicted / the target
+    stolen: float  # steal ms (both CPUs) while it ran
+    prefill: bool  # it ran a prompt's chunk
+    lost: float  # the share of its duration its step thread did not compute, at least
+    preempted: int  # the step thread's involuntary context switches in it
+    waits: int  # and voluntary ones (it blocked)
+    page_faults: int
+    collector_ms: float  # the garbage collector's time in it
+
+
+def thread_of(it: list[float]) -> tuple[float, int, int, int, float]:
+    """The feed's step-thread figures of an iteration: the share of its duration
+    the thread did not compute (its CPU time is over the whole ``Engine.step`` call,
+    a little more than the duration: a lower bound), preemptions, waits, page
+    faults, the collector's ms."""
+    duration_ms, cpu_ms, preempted, waits, faults, collector_ms = it[1], *it[7:12]
+    lost = max(0.0, 1 - cpu_ms / duration_ms) if duration_ms > 0 else 0.0
+    return lost, int(preempted), int(waits), int(faults), collector_ms
+
+
 def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
     gaps: dict[str, list[float]] = {"engine": [], "gateway": [], "client": []}
     streams = [s for t in trials for s in t.streams]
@@ -153,21 +186,30 @@ def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
             for i, kind in enumerate(gaps):
                 gaps[kind].append((b[i] - a[i]) / 1e6)
     delivery = [(t[2] - t[0]) / 1e6 for tokens in streams for t in tokens]
-    # iterations with decodes: measured / predicted, and the steal time while each ran
+    # iterations with decodes: measured / predicted, the steal time while each ran, and its step thread's use
     timed = [
-        (it[1] / it[5], stolen_during(t.steal, it[0] - it[1], it[0]), it[3] > 0)
+        Timed(it[1] / it[5], it[5] / target_ms, stolen_during(t.steal, it[0] - it[1], it[0]), it[3] > 0, *thread_of(it))
         for t in trials
         for it in t.iterations
         if it[2] > 0 and it[5] > 0
     ]
-    ratios = [r for r, _, _ in timed]
-    # the scatter by kind, of iterations nothing was stolen from: the cost model's
-    # error where it lies in one kind, the machine's where it lies in every kind
+    ratios = [x.ratio for x in timed]
+    # the scatter by kind, of iterations nothing was stolen from and whose thread kept
+    # its core: the cost model's error where it lies in one kind, the machine's where in every kind
     quiet = {
-        kind: [r for r, stolen, prefill in timed if stolen < STOLEN_MS and prefill == with_prefill]
+        kind: [x.ratio for x in timed if x.stolen < STOLEN_MS and x.prefill == with_prefill and x.lost < KEPT]
         for kind, with_prefill in (("decode_only", False), ("with_prompt", True))
     }
-    slow = [stolen for r, stolen, _ in timed if r > SLOW]
+    # those sized near the target: a small iteration's error costs no gap its target
+    quiet |= {
+        f"{kind}_near_target": [
+            x.ratio
+            for x in timed
+            if x.stolen < STOLEN_MS and x.prefill == with_prefill and x.lost < KEPT and x.share >= NEAR
+        ]
+        for kind, with_prefill in (("decode_only", False), ("with_prompt", True))
+    }
+    slow = [x for x in timed if x.ratio > SLOW]
     wall_s = sum((t.steal[-1][0] - t.steal[0][0]) / 1e3 for t in trials if len(t.steal) > 1)
     out = {f"{kind}_p99_ms": percentile(g, 99) for kind, g in gaps.items()}
     out |= {
@@ -180,16 +222,28 @@ def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
         "measured_over_predicted_p99": percentile(ratios, 99),
         "measured_over_predicted_max": max(ratios, default=0.0),
         **{
-            f"{kind}_unstolen_over_predicted_{name}": value
+            f"{kind}_quiet_over_predicted_{name}": value
             for kind, rs in quiet.items()
             for name, value in (("p50", percentile(rs, 50)), ("p99", percentile(rs, 99)), ("max", max(rs, default=0.0)))
         },
         "steal_ms_per_s": sum(t.steal[-1][1] - t.steal[0][1] for t in trials if t.steal) / max(wall_s, 1e-9),
-        "iterations_stolen_from_share": sum(stolen >= STOLEN_MS for _, stolen, _ in timed) / max(1, len(timed)),
         "slow_iterations": len(slow),
-        "slow_stolen_from_share": sum(stolen >= STOLEN_MS for stolen in slow) / max(1, len(slow)),
-        "gaps": len(gaps["client"]),
+        "near_target_iterations": sum(x.share >= NEAR for x in timed),
     }
+    for name, group in (("all", timed), ("slow", slow)):
+        n = max(1, len(group))
+        out |= {
+            f"{name}_stolen_from_share": sum(x.stolen >= STOLEN_MS for x in group) / n,
+            f"{name}_lost_core_share": sum(x.lost >= LOST for x in group) / n,
+            f"{name}_preempted_per_iteration": sum(x.preempted for x in group) / n,
+            f"{name}_waits_per_iteration": sum(x.waits for x in group) / n,
+            f"{name}_page_faults_per_iteration": sum(x.page_faults for x in group) / n,
+            f"{name}_collected_share": sum(x.collector_ms > 0 for x in group) / n,
+            f"{name}_collector_ms_max": max((x.collector_ms for x in group), default=0.0),
+            f"{name}_decode_only_share": sum(not x.prefill for x in group) / n,
+            f"{name}_predicted_over_target_p50": percentile([x.share for x in group], 50),
+        }
+    out["gaps"] = len(gaps["client"])
     return out
 
 

@@ -166,6 +166,18 @@ class IterationRecord:
     # it had decodes and ran over the TBT target, and why: "decodes", "floor" (see
     # Batch.over_target) or "prediction" (sized within the target, measured over it)
     target_missed: str | None = None
+    # The step thread over its ``Engine.step`` call (``StepLoop``; 0 where no
+    # thread of its own ran it, as in the simulator): where an iteration ran
+    # long, whether the thread computed all along (CPU time near the duration)
+    # or lost the core (preempted: the scheduler gave it to another thread;
+    # waits: it blocked, on the interpreter lock or a lock of its own), and
+    # the page faults it took (memory first touched, or given back and taken
+    # again); and the garbage collector's time in it, whichever thread collected.
+    thread_cpu_ns: int = 0
+    thread_preempted: int = 0
+    thread_waits: int = 0
+    page_faults: int = 0
+    collector_ns: int = 0
 
     @property
     def duration_ns(self) -> int:

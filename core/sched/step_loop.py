@@ -12,7 +12,9 @@ still go out), stops the loop and calls ``on_fatal`` with the reason.
 
 from __future__ import annotations
 
+import gc
 import queue
+import resource
 import threading
 import time
 from collections.abc import Callable, MutableSequence
@@ -21,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from stallfree.core.sched.batch import IterationRecord
 from stallfree.core.sched.engine import Engine, EngineSnapshot, StepOutput
 from stallfree.core.sched.request import Request
 
@@ -62,6 +65,35 @@ def on_own_thread(fn: Callable[[], T]) -> T:
     return box[0]
 
 
+class CollectorTime:
+    """How long the garbage collector has run in this process, from any thread
+    (a ``gc.callbacks`` entry): a collection holds the interpreter lock, so it
+    stops the step thread wherever it was started."""
+
+    def __init__(self) -> None:
+        self.total_ns = 0
+        self._started_ns = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started_ns = time.perf_counter_ns()
+        else:
+            self.total_ns += time.perf_counter_ns() - self._started_ns
+
+
+COLLECTOR = CollectorTime()  # in gc.callbacks once a step loop has started
+
+
+def thread_use(record: IterationRecord, before: resource.struct_rusage, after: resource.struct_rusage) -> None:
+    """The step thread's CPU time, context switches and page faults between
+    two readings of its ``getrusage(RUSAGE_THREAD)``, into ``record``."""
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    record.thread_cpu_ns = int(cpu_s * 1e9)
+    record.thread_preempted = after.ru_nivcsw - before.ru_nivcsw
+    record.thread_waits = after.ru_nvcsw - before.ru_nvcsw
+    record.page_faults = after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt
+
+
 class EngineStopped(RuntimeError):
     """The engine cannot run commands any more (the reason is the message)."""
 
@@ -101,6 +133,8 @@ class StepLoop:
 
     # -- any thread --------------------------------------------------------
     def start(self, listener: StepListener) -> None:
+        if COLLECTOR not in gc.callbacks:
+            gc.callbacks.append(COLLECTOR)
         self.listener = listener
         self._running = True
         self._thread.start()
@@ -210,8 +244,12 @@ class StepLoop:
                 break
             self._times[2] = 0  # until the engine has scheduled the batch
             self._times[0] = time.perf_counter_ns()
+            before, collected_ns = resource.getrusage(resource.RUSAGE_THREAD), COLLECTOR.total_ns
             out = self.engine.step()
             self._times[0] = 0
+            if out is not None and out.iteration is not None:
+                thread_use(out.iteration, before, resource.getrusage(resource.RUSAGE_THREAD))
+                out.iteration.collector_ns = COLLECTOR.total_ns - collected_ns
             if out is not None:
                 self.snapshot = self.engine.snapshot(out.counts)
                 self.iterations += 1

@@ -66,6 +66,11 @@ class Telemetry(Observer):
                     it.token_budget,
                     round(it.predicted_ns / 1e6, 2),
                     it.tbt_slo_ms,
+                    round(it.thread_cpu_ns / 1e6, 2),
+                    it.thread_preempted,
+                    it.thread_waits,
+                    it.page_faults,
+                    round(it.collector_ns / 1e6, 2),
                 ]
             )
 
