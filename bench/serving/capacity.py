@@ -153,7 +153,15 @@ def main() -> None:
         default="off",
         help="stallfree's speculative decoding in every trial (the simulator's predictions stay without it)",
     )
+    ap.add_argument(
+        "--report",
+        type=Path,
+        help="no trials: the table of a record whose run stopped before its end (its JSON), written beside it",
+    )
     args = ap.parse_args()
+    if args.report:
+        table_of_record(args.report)
+        return
     if not (VLLM / ".venv" / "bin" / "python").exists() or not MODEL_DIR.exists():
         sys.exit("run bench/peers/vllm/install.sh and bench/peers/vllm/convert.sh first")
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
@@ -236,6 +244,36 @@ def main() -> None:
     doc["table"] = capacity_table(runs, slos, doc["predicted"], doc["predicted_corrected"], doc["trials"])
     write(base, doc)
     print(base.with_suffix(".md").read_text())
+
+
+def table_of_record(path: Path) -> None:
+    """The table of a record whose run stopped early: its searches rebuilt from
+    the trials it holds (each in the order it ran, sharing as ``plan`` shares),
+    the SLOs from its decode gaps; a search cut short reports the bracket it had."""
+    doc = json.loads(path.read_text())
+    base_ms = max(doc["decode_only_iteration_ms"].values())
+    slos = {"strict": SLO(STRICT * base_ms), "relaxed": SLO(RELAXED * base_ms)}
+    slos = {name: slo for name, slo in slos.items() if name in doc["slos"]}
+    shared: dict[tuple[str, str], dict[float, Trial]] = {}
+    runs: dict[tuple[str, str, str], Run] = {}
+    for t in doc["trials"]:
+        if t.get("confirm") or t.get("at_vllm_capacity"):
+            continue
+        key = (t["engine"], t["trace"], t["slo"])
+        if key not in runs:
+            sharing = t["engine"].startswith("vllm-") or t["engine"] == "stallfree-default"
+            known = shared.setdefault(key[:2], {}) if sharing else None
+            runs[key] = Run(*key, Search(slos[t["slo"]], t["rate"], TOLERANCE, known=known), t.get("config", {}))
+        runs[key].search.record(trial_from(t["rate"], t))
+    for r in runs.values():
+        r.search.next_rate()  # takes the trials its configuration ran for the other SLO
+    predicted = doc["predicted"]
+    doc["table"] = capacity_table(
+        list(runs.values()), slos, predicted, doc.get("predicted_corrected", predicted), doc["trials"]
+    )
+    doc["stopped_early"] = "predicted_corrected" not in doc
+    write(path.with_suffix(""), doc)
+    print(path.with_suffix(".md").read_text())
 
 
 def measure_profile(dtype: str) -> Path:
@@ -633,9 +671,15 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         "",
         f"SLOs: {doc['slo_basis']} (stallfree {doc['decode_only_iteration_ms']['stallfree']:.1f} ms, "
         f"vLLM {doc['decode_only_iteration_ms']['vllm']:.1f} ms). Capacity: the highest rate with P99 TBT <= SLO "
-        f"and P50 scheduling delay <= 2 s, binary search to {TOLERANCE:.1%}.",
+        f"and P50 scheduling delay <= 2 s (since 2026-12-06: P50 TTFT <= 2 s too), binary search to {TOLERANCE:.1%}.",
         "",
     ]
+    if doc.get("stopped_early"):
+        lines += [
+            "Stopped before its end: each search's capacity is the highest rate met among the trials it holds "
+            "(`--report`); a search cut short may be below its capacity, and confirmations may be missing.",
+            "",
+        ]
     if "stallfree_default" in doc:
         d = doc["stallfree_default"]
         lines += [
