@@ -126,10 +126,12 @@ def test_the_simulators_requests_are_judged_by_the_benchmarks_targets():
 def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tmp_path):
     from bench.serving import goodput
 
-    settings = goodput.configs(230.0, 64)
+    settings = goodput.configs(230.0, 64, {"tbt_slo_ms": 150.0, "ttft_slo_ms": 2000.0})
+    assert settings["stallfree-default"]["tbt_slo_ms"] == 150.0  # serve's own target, not the SLO
     simulated = {"Azure": {e: {"capacity_req_per_s": 4.0, "trials": []} for e in settings}}
     runs = [goodput.Run(e, "Azure", Search(Goodput(0.9), 4.0, max_trials=6), c) for e, c in settings.items()]
-    edge = {"stallfree-both": 8.0, "stallfree-shed": 9.0, "stallfree-tbt": 6.0, "vllm-64": 5.0}
+    edge = {"stallfree-default": 7.0, "stallfree-both": 8.0, "stallfree-shed": 9.0, "stallfree-tbt": 6.0}
+    edge["vllm-64"] = 5.0
     order = []
 
     def trial(r: goodput.Run, rate: float) -> Trial:  # 95 % good up to the configuration's edge, 50 % above
@@ -147,16 +149,20 @@ def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tm
     doc["traces"] = {"Azure": {"file": "azure.csv", "replay": "the first 100"}}
     base = tmp_path / "goodput-2026-12-04"
     goodput.alternate(runs, trial, doc, base)
-    assert order[:4] == list(settings)  # one trial of each configuration in turn
+    assert order[:5] == list(settings)  # one trial of each configuration in turn
     assert all(len(r.search.trials) <= 6 for r in runs)
-    assert 8.0 / 1.05 <= runs[0].search.result.rate <= 8.0
+    found = {r.engine: r.search.result.rate for r in runs}
+    assert 8.0 / 1.05 <= found["stallfree-both"] <= 8.0 and 7.0 / 1.05 <= found["stallfree-default"] <= 7.0
     goodput.shed_check(runs, trial, doc, base, {})
     check = doc["shed_check"][0]
-    assert check["rate"] == 1.5 * runs[3].search.result.rate and check["passed"]
+    assert check["rate"] == 1.5 * found["vllm-64"] and check["passed"]
     goodput.more_rates(runs, trial, [2.0], doc, base)
-    assert sum(t.get("more_rates", False) for t in doc["trials"]) == 4
+    assert sum(t.get("more_rates", False) for t in doc["trials"]) == 5
     doc["table"] = goodput.goodput_table(runs, simulated)
     goodput.write(base, doc)
     md = base.with_suffix(".md").read_text()
     assert "| Azure | stallfree-both |" in md and ": done" in md
+    vllm = found["vllm-64"]
+    ratios = f"| {found['stallfree-default'] / vllm:.2f} | {found['stallfree-both'] / vllm:.2f} |"
+    assert "default / vLLM" in md and ratios in md
     assert base.with_suffix(".png").stat().st_size > 0

@@ -17,6 +17,8 @@ at the trial's mean rate, lengths scaled as ``bench.serving.capacity``
 scales them; the first ``--warmup`` of them run but are not judged.
 
 Configurations, on each trace, their trials alternating one by one:
+- stallfree-default: the TBT and TTFT targets ``stallfree serve`` derived at
+  start-up (its own decode gap x 5, 2 s), as a user gets them;
 - stallfree-both: TBT target at the SLO, TTFT target 2 s (deadline-ordered
   queue; a request forecast late is admitted best-effort);
 - stallfree-shed: the same, shedding load (a request forecast late is
@@ -59,7 +61,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import NO_TARGETS, ROOT, VLLM, StallfreeServer, free_port, stop
+from bench.servers import ROOT, VLLM, StallfreeServer, free_port, stop
 from bench.serving.capacity import (
     MAX_MODEL_LEN,
     MODEL_DIR,
@@ -98,16 +100,18 @@ KV_BLOCKS = 5825  # the served model's KV blocks at 4,096 tokens of context, as 
 class Run:
     """One goodput search: a configuration on a trace."""
 
-    engine: str  # stallfree-both, stallfree-shed, stallfree-tbt, vllm-<budget>
+    engine: str  # stallfree-default, stallfree-both, stallfree-shed, stallfree-tbt, vllm-<budget>
     trace: str
     search: Search[Goodput]
     config: dict[str, Any] | None  # stallfree's live settings (None: vLLM)
 
 
-def configs(slo_ms: float, budget: int) -> dict[str, dict[str, Any] | None]:
-    """Each configuration's live settings for stallfree (vLLM: None, it has no targets)."""
+def configs(slo_ms: float, budget: int, default: dict[str, float]) -> dict[str, dict[str, Any] | None]:
+    """Each configuration's live settings for stallfree (vLLM: None, it has no targets);
+    ``default``: the targets serve derived at start-up."""
     both = {"tbt_slo_ms": slo_ms, "ttft_slo_ms": TTFT_SLO_MS, "token_budget": TBT_BUDGET, "shed_load": False}
     return {
+        "stallfree-default": both | default,
         "stallfree-both": both,
         "stallfree-shed": both | {"shed_load": True},
         "stallfree-tbt": both | {"ttft_slo_ms": 0.0},
@@ -125,7 +129,7 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=6, help="per search")
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
-    ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all four)")
+    ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all five)")
     ap.add_argument(
         "--shed-check-vs",
         default="",
@@ -161,9 +165,11 @@ def main() -> None:
     sf = StallfreeServer(
         *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
-        *NO_TARGETS,
         log=logs / "goodput-stallfree.log",
     )
+    started = httpx.get(sf.url + "/api/config", timeout=30).json()["scheduler"]
+    default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}  # the targets serve derived
+    doc["stallfree_default"] = default
     vl_port = free_port()
     engines = {
         "stallfree": OpenAITarget(sf.url + "/v1", "smollm2"),
@@ -181,7 +187,7 @@ def main() -> None:
             f"the slower engine's ({max(decode_ms.values()):.1f} ms)"
         )
         rows = {t.name: read_trace(t.file) for t in traces}
-        settings = configs(slo_ms, args.vllm_budget)
+        settings = configs(slo_ms, args.vllm_budget, default)
         if args.only:
             settings = {name: config for name, config in settings.items() if name in args.only.split(",")}
         doc["configs"] = settings
@@ -445,15 +451,19 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     for trace in dict.fromkeys(row["trace"] for row in doc["table"]):
         mine = {row["engine"]: row for row in doc["table"] if row["trace"] == trace}
         vllm = next((row["capacity_req_per_s"] for e, row in mine.items() if e.startswith("vllm-")), 0.0)
-        both = mine["stallfree-both"]["capacity_req_per_s"] if "stallfree-both" in mine else 0.0
+        ratios = [
+            f"{mine[e]['capacity_req_per_s'] / vllm:.2f}" if vllm and e in mine else "–"
+            for e in ("stallfree-default", "stallfree-both")
+        ]
         cells.append(
             [
                 trace,
                 *(f"{mine[e]['capacity_req_per_s']:.3g} ({mine[e]['simulated_req_per_s']:.3g})" for e in engines),
-                f"{both / vllm:.2f}" if vllm and both else "–",
+                *ratios,
             ]
         )
-    lines += table(["trace", *engines, "both targets / vLLM"], cells, "l" + "r" * (len(engines) + 1))
+    header = ["trace", *engines, "default / vLLM", "both targets / vLLM"]
+    lines += table(header, cells, "l" + "r" * (len(engines) + 2))
     lines += ["", "At goodput capacity: shares of the judged requests, TTFT in ms, the pooled P99 gap in ms.", ""]
     cells = []
     for row in doc["table"]:
