@@ -261,8 +261,7 @@ def table_of_record(path: Path) -> None:
             continue
         key = (t["engine"], t["trace"], t["slo"])
         if key not in runs:
-            sharing = t["engine"].startswith("vllm-") or t["engine"] == "stallfree-default"
-            known = shared.setdefault(key[:2], {}) if sharing else None
+            known = shared.setdefault(key[:2], {}) if shares_trials(t["engine"]) else None
             runs[key] = Run(*key, Search(slos[t["slo"]], t["rate"], TOLERANCE, known=known), t.get("config", {}))
         runs[key].search.record(trial_from(t["rate"], t))
     for r in runs.values():
@@ -396,6 +395,12 @@ def stallfree_configs(
     return out | {"stallfree-budget": {**fixed, "token_budget": budget}}
 
 
+def shares_trials(engine: str) -> bool:
+    """A configuration that is the same at every SLO (vLLM at a budget, serve's
+    default): its searches at the SLOs read each other's trials."""
+    return engine.startswith("vllm-") or engine == "stallfree-default"
+
+
 def plan(
     traces: list[TraceSpec],
     slos: dict[str, SLO],
@@ -408,22 +413,21 @@ def plan(
     speculate: str,
 ) -> list[Run]:
     """Every search, each from the simulator's prediction for its configuration;
-    the searches of one configuration that is the same at every SLO (vLLM at a
-    budget, serve's default) share their trials."""
+    the searches of one configuration that ``shares_trials`` share them."""
     runs = []
     for t in traces:
-        shared: dict[str, dict[float, Trial]] = {f"vllm-{b}": {} for b in budgets} | {"stallfree-default": {}}
+        shared: dict[str, dict[float, Trial]] = {}
         for slo_name, slo in slos.items():
             guess = predicted[t.name][slo_name]
             for engine, config in stallfree_configs(slo, profile, default, speculate, sf_budgets).items():
                 first = max(guess[engine], 0.05)
-                known = shared.get(engine)
+                known = shared.setdefault(engine, {}) if shares_trials(engine) else None
                 found = Search(slo, first, TOLERANCE, max_trials=max_trials, lowest=first / 16, known=known)
                 runs.append(Run(engine, t.name, slo_name, found))
                 runs[-1].config = config
             for b in budgets:
                 first = max(guess[f"vllm-{b}"], 0.05)
-                found = Search(slo, first, TOLERANCE, max_trials, first / 16, known=shared[f"vllm-{b}"])
+                found = Search(slo, first, TOLERANCE, max_trials, first / 16, known=shared.setdefault(f"vllm-{b}", {}))
                 runs.append(Run(f"vllm-{b}", t.name, slo_name, found))
     return runs
 

@@ -195,20 +195,14 @@ def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
     ]
     ratios = [x.ratio for x in timed]
     # the scatter by kind, of iterations nothing was stolen from and whose thread kept
-    # its core: the cost model's error where it lies in one kind, the machine's where in every kind
-    quiet = {
-        kind: [x.ratio for x in timed if x.stolen < STOLEN_MS and x.prefill == with_prefill and x.lost < KEPT]
-        for kind, with_prefill in (("decode_only", False), ("with_prompt", True))
-    }
-    # those sized near the target: a small iteration's error costs no gap its target
-    quiet |= {
-        f"{kind}_near_target": [
-            x.ratio
-            for x in timed
-            if x.stolen < STOLEN_MS and x.prefill == with_prefill and x.lost < KEPT and x.share >= NEAR
-        ]
-        for kind, with_prefill in (("decode_only", False), ("with_prompt", True))
-    }
+    # its core: the cost model's error where it lies in one kind, the machine's where in
+    # every kind; and of those sized near the target (a small iteration's error costs no gap its target)
+    calm = [x for x in timed if x.stolen < STOLEN_MS and x.lost < KEPT]
+    quiet: dict[str, list[float]] = {}
+    for kind, with_prefill in (("decode_only", False), ("with_prompt", True)):
+        of_kind = [x for x in calm if x.prefill == with_prefill]
+        quiet[kind] = [x.ratio for x in of_kind]
+        quiet[f"{kind}_near_target"] = [x.ratio for x in of_kind if x.share >= NEAR]
     slow = [x for x in timed if x.ratio > SLOW]
     wall_s = sum((t.steal[-1][0] - t.steal[0][0]) / 1e3 for t in trials if len(t.steal) > 1)
     out = {f"{kind}_p99_ms": percentile(g, 99) for kind, g in gaps.items()}
