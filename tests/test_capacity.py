@@ -186,6 +186,22 @@ def test_every_trial_replays_the_same_requests_sooner_or_later():
     assert all(abs(s.at_s - 4 * f.at_s) < 1e-6 for s, f in zip(slow, fast, strict=True))  # the same pattern, sooner
 
 
+def test_the_prefill_heavy_workload_is_azures_with_long_prompts_and_short_answers():
+    from bench.serving.capacity import TRACE_SETS, TRACE_SPECS
+    from stallfree.core.analysis.traces import read_trace, replay
+
+    assert TRACE_SETS["both"] == ("azure", "mooncake") and set(TRACE_SETS["all"]) == set(TRACE_SPECS)
+    heavy, azure = TRACE_SPECS["prefill-heavy"], TRACE_SPECS["azure"]
+    window = replay(read_trace(heavy.file), heavy.at(2.0, 300))
+    assert max(r.output_tokens for r in window) < 64 and max(r.prompt_tokens + r.output_tokens for r in window) <= 1072
+    prompts = sorted(r.prompt_tokens for r in window)
+    assert prompts[150] > 400  # the median prompt several hundred tokens: the prefill is the work
+    assert sum(r.prompt_tokens for r in window) > 5 * sum(r.output_tokens for r in window)
+    same = replay(read_trace(azure.file), azure.at(2.0, 300))
+    assert [r.at_s for r in window] == [r.at_s for r in same]  # Azure's arrivals
+    assert "outputs capped at 48" in heavy.describe(300)
+
+
 @pytest.mark.slow
 def test_on_the_simulated_engine_the_fixed_set_meets_an_slo_up_to_one_rate_and_none_above():
     from bench.serving.capacity import TRACE_SPECS

@@ -90,11 +90,16 @@ def test_replay_window_rate_lengths_and_cap():
     capped = replay(rows, Replay(count=2000, max_context=1024))
     assert all(r.prompt_tokens + r.output_tokens <= 1024 and r.output_tokens <= 512 for r in capped)
     assert max(r.prompt_tokens for r in capped) > 900  # long prompts are cut, not dropped
+    heavy = replay(rows, Replay(count=300, length_scale=0.5, max_context=1072, max_output=48))
+    assert max(r.output_tokens for r in heavy) == 48 and min(r.output_tokens for r in heavy) < 48
+    assert [h.prompt_tokens for h in heavy] == [
+        min(max(1, round(r.prompt_tokens / 2)), 1072 - h.output_tokens) for r, h in zip(rows[:300], heavy, strict=True)
+    ]
     moon = replay(read_trace(MOONCAKE), Replay(count=50, length_scale=0.125, max_context=2048))
     for r in moon:
         assert sum(n for _, n in r.shared) <= r.prompt_tokens <= 2048 - r.output_tokens
         assert all(n == 64 for _, n in r.shared[:-1])  # a hash block is 512 / 8 tokens wherever it occurs
-    for bad in (Replay(start=20_000), Replay(count=0), Replay(rate=0), Replay(length_scale=-1)):
+    for bad in (Replay(start=20_000), Replay(count=0), Replay(rate=0), Replay(length_scale=-1), Replay(max_output=0)):
         with pytest.raises(ValueError, match=r"window|must be > 0"):
             replay(rows, bad)
 

@@ -66,6 +66,7 @@ import torch
 
 from bench.record import OUT, dated, describe, machine, table
 from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.serving.neighbour import neighbour
 from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from stallfree.core.analysis.online_cost import OnlineCost
 from stallfree.core.analysis.profiler import Profile, choose_budget
@@ -102,15 +103,20 @@ class TraceSpec:
     file: Path
     length_scale: float
     max_context: int = 2048
+    max_output: int | None = None
 
     def at(self, rate: float, count: int) -> Replay:
         """The trial at ``rate``: the trace's first ``count`` requests, at that mean rate."""
-        return Replay(0, count, rate, length_scale=self.length_scale, max_context=self.max_context)
+        return Replay(
+            0, count, rate, length_scale=self.length_scale, max_context=self.max_context, max_output=self.max_output
+        )
 
     def describe(self, count: int) -> str:
+        outputs = f", outputs capped at {self.max_output}" if self.max_output else ""
         return (
             f"the same first {count} requests in every trial, the trace's arrival pattern at the trial's mean rate, "
-            f"lengths x{self.length_scale:g}, context cap {self.max_context}, equal arrival times spread to the next"
+            f"lengths x{self.length_scale:g}, context cap {self.max_context}{outputs}, "
+            "equal arrival times spread to the next"
         )
 
 
@@ -118,7 +124,16 @@ TRACE_SPECS = {
     "azure": TraceSpec("Azure LLM 2023 conversation", TRACES / "azure_llm_2023_conv.csv", 1 / 8),
     # prompts 7x Azure's (p50 6,909 tokens): scaled further to fit the context cap and this CPU
     "mooncake": TraceSpec("Mooncake conversation", TRACES / "mooncake_conversation.jsonl", 1 / 32),
+    # Long prompts, short answers (summaries, classification, retrieval's reading):
+    # Azure's arrivals and prompts at half length (first 300: p50 486, p90 657
+    # tokens; a prompt and its answer within 1,072), every answer cut to 48 tokens. The prefill is the
+    # work; it tests how little a chunk may delay the few decodes there are.
+    "prefill-heavy": TraceSpec(
+        "Azure LLM 2023 conversation, prefill-heavy", TRACES / "azure_llm_2023_conv.csv", 1 / 2, 1072, 48
+    ),
 }
+# the two production traces of shared/traces ("both") and the workload made from Azure's ("all")
+TRACE_SETS = {"both": ("azure", "mooncake"), "all": tuple(TRACE_SPECS)}
 
 
 @dataclass(slots=True)
@@ -135,7 +150,7 @@ class Run:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", choices=[*TRACE_SPECS, "both"], default="both")
+    ap.add_argument("--trace", choices=[*TRACE_SPECS, *TRACE_SETS], default="both")
     ap.add_argument("--requests", type=int, default=200, help="every trial: the trace's first N requests")
     ap.add_argument("--warmup", type=float, default=0.1, help="share of the requests left out of the figures")
     ap.add_argument("--confirm", type=int, default=1, help="runs more at each capacity and the failing rate above")
@@ -154,6 +169,12 @@ def main() -> None:
         help="stallfree's speculative decoding in every trial (the simulator's predictions stay without it)",
     )
     ap.add_argument(
+        "--neighbour",
+        type=float,
+        default=0.0,
+        help="during every trial, a process copying memory this share of the time (bench.serving.neighbour; 0: none)",
+    )
+    ap.add_argument(
         "--report",
         type=Path,
         help="no trials: the table of a record whose run stopped before its end (its JSON), written beside it",
@@ -169,7 +190,7 @@ def main() -> None:
     base = dated("capacity")
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    traces = list(TRACE_SPECS.values()) if args.trace == "both" else [TRACE_SPECS[args.trace]]
+    traces = [TRACE_SPECS[key] for key in TRACE_SETS.get(args.trace, (args.trace,))]
     profile_path = args.profile or measure_profile(dtype)
     profile = Profile.load(profile_path)
     budgets = [int(b) for b in args.vllm_budgets.split(",")]
@@ -179,6 +200,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "dtype": dtype,
         "speculate": args.speculate,
+        "neighbour": args.neighbour,
         "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
         "traces": {
             t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.describe(args.requests)} for t in traces
@@ -215,7 +237,7 @@ def main() -> None:
         rows = {t.name: read_trace(t.file) for t in traces}
         sf_budgets = [int(b) for b in args.stallfree_budgets.split(",") if b and b != "none"]
         sf_budgets = [0] if args.stallfree_budgets == "none" else sf_budgets
-        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup)
+        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup, args.neighbour)
         doc["predicted"] = predict(traces, rows, slos, profile, default, budgets, sf_budgets, args.requests)
         write(base, doc)
         runs = plan(
@@ -443,9 +465,11 @@ class Trials:
         sf_url: str,
         count: int,
         warmup: float,
+        neighbour: float = 0.0,
     ) -> None:
         self.rows, self.specs, self.tokenizer = rows, specs, tokenizer
         self.sf_url, self.count, self.warmup = sf_url, count, warmup
+        self.neighbour = neighbour  # a busy neighbour's duty during every trial (bench.serving.neighbour)
         self.engines: dict[str, OpenAITarget] = {}
 
     def __call__(self, r: Run, rate: float) -> Trial:
@@ -454,9 +478,10 @@ class Trials:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         started = time.perf_counter()
         window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
-        results, summary = trial_summary(
-            self.engines, engine, window, self.tokenizer, self.warmup, r.search.slo.tbt_p99_ms
-        )
+        with neighbour(self.neighbour):
+            results, summary = trial_summary(
+                self.engines, engine, window, self.tokenizer, self.warmup, r.search.slo.tbt_p99_ms
+            )
         metrics = self.engines[engine].base_url.removesuffix("/v1") + "/metrics"
         summary["wall_s"] = time.perf_counter() - started
         if engine == "stallfree":  # what the server's cost model has learnt of this machine
@@ -671,7 +696,13 @@ def write(base: Path, doc: dict[str, Any]) -> None:
         f"`{doc['command']}` on {describe(m)}, {doc['date']}; dtype {doc['dtype']}, one compute thread each, "
         f"same weights, both through the OpenAI streaming API, prefix caching on; stallfree's profile: "
         f"`{doc['profile']}`; stallfree's speculative decoding: {doc.get('speculate', 'off')} (vLLM's: off; "
-        "the simulator's predictions: off).",
+        "the simulator's predictions: off)."
+        + (
+            f" During every trial a neighbour process copied memory {doc['neighbour']:.0%} of the time "
+            "(`bench.serving.neighbour`)."
+            if doc.get("neighbour")
+            else ""
+        ),
         "",
         f"SLOs: {doc['slo_basis']} (stallfree {doc['decode_only_iteration_ms']['stallfree']:.1f} ms, "
         f"vLLM {doc['decode_only_iteration_ms']['vllm']:.1f} ms). Capacity: the highest rate with P99 TBT <= SLO "

@@ -67,6 +67,7 @@ from bench.serving.capacity import (
     MODEL_DIR,
     TBT_BUDGET,
     TOLERANCE,
+    TRACE_SETS,
     TRACE_SPECS,
     TraceSpec,
     corrections,
@@ -121,7 +122,7 @@ def configs(slo_ms: float, budget: int, default: dict[str, float]) -> dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", choices=[*TRACE_SPECS, "both"], default="both")
+    ap.add_argument("--trace", choices=[*TRACE_SPECS, *TRACE_SETS], default="both")
     ap.add_argument("--requests", type=int, default=100, help="every trial: the trace's first N requests")
     ap.add_argument("--warmup", type=float, default=0.1, help="share of the requests not judged")
     ap.add_argument("--vllm-budget", type=int, default=64, help="vLLM's max_num_batched_tokens")
@@ -145,7 +146,7 @@ def main() -> None:
     base = dated("goodput")
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    traces = list(TRACE_SPECS.values()) if args.trace == "both" else [TRACE_SPECS[args.trace]]
+    traces = [TRACE_SPECS[key] for key in TRACE_SETS.get(args.trace, (args.trace,))]
     profile_path = args.profile or measure_profile(dtype)
     profile = Profile.load(profile_path)
     doc: dict[str, Any] = {

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from bench.serving.capacity import TRACE_SPECS
+from bench.serving.capacity import TRACE_SETS, TRACE_SPECS
 from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT
 from stallfree.core.analysis.cost_model import ARTICLE_GPU, LLAMA3_8B, CostModel
 from stallfree.core.analysis.disagg_plan import Link
@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--searches", default="capacity", help="capacity (Sarathi-Serve's), goodput, or both")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the TTFT target goodput is judged by")
     ap.add_argument("--slos", default="strict,relaxed", help="which of Sarathi-Serve's SLOs")
-    ap.add_argument("--trace", choices=[*TRACE_SPECS, "both"], default="both")
+    # the production traces as logged (the prefill-heavy workload is scaled for a CPU)
+    ap.add_argument("--trace", choices=[*TRACE_SETS["both"], "both"], default="both")
     args = ap.parse_args()
     searches = args.searches.split(",")
     p, d = (int(x) for x in args.disaggregate.split(":"))
@@ -65,9 +66,8 @@ def main() -> None:
         "scheduler": {"token_budget": 512, "max_num_seqs": 256, "kv_tokens": cache.num_tokens},
         "traces": [],
     }
-    for key, spec in TRACE_SPECS.items():
-        if args.trace not in (key, "both"):
-            continue
+    for key in TRACE_SETS.get(args.trace, (args.trace,)):
+        spec = TRACE_SPECS[key]
         setup = Setup(
             read_trace(spec.file),
             Replay(count=args.requests),

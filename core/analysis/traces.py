@@ -53,6 +53,7 @@ class Replay:
     time_scale: float = 1.0  # or: multiply every gap by this
     length_scale: float = 1.0  # multiply prompt, output and shared-run lengths
     max_context: int | None = None  # cap prompt + output: the output to half of it, then the prompt to the rest
+    max_output: int | None = None  # cap each output (scaled) at this: a prefill-heavy workload from a trace
     # requests logged at one time are spread evenly up to the next logged time: a
     # trace on a coarse clock (Mooncake's: a 3 s grid, ~10 requests a tick) would
     # otherwise replay its ticks as bursts its traffic never had
@@ -62,6 +63,7 @@ class Replay:
         end = "end" if self.count is None else self.start + self.count
         pace = f"{self.rate:g} req/s" if self.rate is not None else f"time x{self.time_scale:g}"
         cap = f", context cap {self.max_context}" if self.max_context else ""
+        cap += f", outputs capped at {self.max_output}" if self.max_output else ""
         ties = ", equal arrival times spread to the next" if self.spread_ties else ""
         return f"rows {self.start}-{end}, {pace}, lengths x{self.length_scale:g}{cap}{ties}"
 
@@ -127,7 +129,7 @@ def replay(requests: list[TraceRequest], how: Replay) -> list[TraceRequest]:
     """The window of ``how``, arrivals from its first request, at its rate and lengths."""
     if how.start < 0 or (how.count is not None and how.count < 1):
         raise ValueError("the window must start at a row >= 0 and hold at least one")
-    for name in ("time_scale", "length_scale", "rate"):
+    for name in ("time_scale", "length_scale", "rate", "max_output"):
         value = getattr(how, name)
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0")
@@ -171,6 +173,8 @@ def _scaled(r: TraceRequest, factor: float, how: Replay) -> TraceRequest:
         return max(1, round(n * s))
 
     output = length(r.output_tokens)
+    if how.max_output:
+        output = min(output, how.max_output)
     # shared runs scale alike wherever they occur, so equal keys keep equal lengths
     shared = [(key, length(n)) for key, n in r.shared]
     prompt = length(r.prompt_tokens) if not shared or sum(n for _, n in r.shared) < r.prompt_tokens else 0
