@@ -291,6 +291,20 @@ def test_dynamic_chunking_levels_the_whole_iteration_under_a_flood_of_long_promp
     assert not any(rid in e.scheduler.requests for rid in prompts), "a prompt did not finish"
 
 
+def test_an_iteration_record_carries_what_its_prediction_read():
+    # The cost model reads each decode's context and each chunk's prefix; the
+    # record sums them, so the iterations' scatter can be told apart by shape.
+    e = sim_engine(token_budget=40, max_num_seqs=8, cost=SIM_CPU)
+    start_decoding(e, "d1", "d2", prompt=4)  # each 4 cached (+ its first token, not yet cached)
+    e.add_request(request("long", 60))
+    items, first = run_step(e)
+    assert items[2] == ("long", 38, True) and first.chunk_prefix_tokens == 0
+    contexts = [e.scheduler.requests[r].num_computed_tokens for r in ("d1", "d2")]
+    items, second = run_step(e)
+    assert items[2] == ("long", 22, True) and second.chunk_prefix_tokens == 38
+    assert second.decode_context_tokens == sum(contexts) > 0
+
+
 def test_runner_failure_fails_only_that_batch():
     e = sim_engine()
     e.add_request(request("x", 4))

@@ -20,7 +20,9 @@ iteration's step thread's CPU time, context switches and page faults
 iterations whose thread lost its core (computed under 90 % of the time)
 against all, and the scatter of the quiet iterations (nothing stolen, the
 core kept), decode-only iterations apart from those with a prompt's chunk
-(the cost model's error shows in one kind, the machine's in both). The first
+(the cost model's error shows in one kind, the machine's in both), and the
+chunked ones near the target split at their median prefix and decode context
+(the model's error shows in one half). The first
 trial after start (the aim has learnt nothing yet) is reported apart from
 the later ones, pooled. Warm-up requests (the first tenth) are left out, as
 in ``bench.serving.capacity``. Runs under ``bench.before_after`` (``--out``)
@@ -166,6 +168,8 @@ class Timed:
     waits: int  # and voluntary ones (it blocked)
     page_faults: int
     collector_ms: float  # the garbage collector's time in it
+    prefix: int  # its chunks' cached prefix tokens, summed
+    context: float  # its decodes' cached tokens, a decode on average
 
 
 def thread_of(it: list[float]) -> tuple[float, int, int, int, float]:
@@ -178,6 +182,32 @@ def thread_of(it: list[float]) -> tuple[float, int, int, int, float]:
     return lost, int(preempted), int(waits), int(faults), collector_ms
 
 
+def shape_of(it: list[float]) -> tuple[int, float]:
+    """The feed's shape of an iteration beside its token counts: the chunks'
+    prefix tokens and the decodes' context a decode (0 from a feed without them)."""
+    if len(it) < 14:
+        return 0, 0.0
+    return int(it[13]), it[12] / it[2] if it[2] else 0.0
+
+
+def by_shape(near: list[Timed]) -> dict[str, float]:
+    """Measured / predicted of the quiet chunked iterations near the target,
+    split at the median prefix and at the median decode context: where the
+    cost model misjudges a shape, one half scatters more than the other."""
+    out: dict[str, float] = {}
+    for name, key in (("prefix", lambda x: x.prefix), ("context", lambda x: x.context)):
+        cut = percentile([key(x) for x in near], 50)
+        for half, group in (("short", [x for x in near if key(x) < cut]), ("long", [x for x in near if key(x) >= cut])):
+            rs = [x.ratio for x in group]
+            out |= {
+                f"near_{name}_{half}_p50": percentile(rs, 50),
+                f"near_{name}_{half}_p99": percentile(rs, 99),
+                f"near_{name}_{half}_max": max(rs, default=0.0),
+            }
+        out[f"near_{name}_median"] = cut
+    return out
+
+
 def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
     gaps: dict[str, list[float]] = {"engine": [], "gateway": [], "client": []}
     streams = [s for t in trials for s in t.streams]
@@ -188,7 +218,14 @@ def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
     delivery = [(t[2] - t[0]) / 1e6 for tokens in streams for t in tokens]
     # iterations with decodes: measured / predicted, the steal time while each ran, and its step thread's use
     timed = [
-        Timed(it[1] / it[5], it[5] / target_ms, stolen_during(t.steal, it[0] - it[1], it[0]), it[3] > 0, *thread_of(it))
+        Timed(
+            it[1] / it[5],
+            it[5] / target_ms,
+            stolen_during(t.steal, it[0] - it[1], it[0]),
+            it[3] > 0,
+            *thread_of(it),
+            *shape_of(it),
+        )
         for t in trials
         for it in t.iterations
         if it[2] > 0 and it[5] > 0
@@ -237,6 +274,7 @@ def figures(trials: list[TrialRecord], target_ms: float) -> dict[str, float]:
             f"{name}_decode_only_share": sum(not x.prefill for x in group) / n,
             f"{name}_predicted_over_target_p50": percentile([x.share for x in group], 50),
         }
+    out |= by_shape([x for x in calm if x.prefill and x.share >= NEAR])
     out["gaps"] = len(gaps["client"])
     return out
 

@@ -162,6 +162,10 @@ class IterationRecord:
     tbt_slo_ms: float = 0.0  # the TBT target setting (it sized this iteration if it had decodes)
     tbt_aim: float = 1.0  # the fraction of the target the scheduler sized to (Scheduler.aim)
     predicted_ns: int = 0  # the cost model's prediction of its duration (0: no cost model)
+    # what beside the token counts the prediction reads (Batch.shape): the
+    # decodes' cached tokens and the chunks' cached prefixes, summed
+    decode_context_tokens: int = 0
+    chunk_prefix_tokens: int = 0
     correction: float = 1.0  # measured / fitted time the cost model has learnt for iterations of its kind
     # it had decodes and ran over the TBT target, and why: "decodes", "floor" (see
     # Batch.over_target) or "prediction" (sized within the target, measured over it)

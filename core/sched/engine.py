@@ -284,6 +284,7 @@ class Engine:
         s = self.scheduler
         target_ns = int(batch.target_s * 1e9)
         missed = (batch.over_target or "prediction") if target_ns and end_ns - start_ns > target_ns else None
+        contexts, chunks = batch.shape()
         return IterationRecord(
             iteration=batch.iteration,
             start_ns=start_ns,
@@ -307,6 +308,8 @@ class Engine:
             tbt_slo_ms=s.config.tbt_slo_ms,
             tbt_aim=s.aim.value,
             predicted_ns=int(batch.predicted_s * 1e9),
+            decode_context_tokens=sum(contexts),
+            chunk_prefix_tokens=sum(prefix for prefix, _ in chunks),
             correction=self.cost.correction(bool(batch.prefill_tokens)) if self.cost is not None else 1.0,
             target_missed=missed,
         )

@@ -71,6 +71,8 @@ class Telemetry(Observer):
                     it.thread_waits,
                     it.page_faults,
                     round(it.collector_ns / 1e6, 2),
+                    it.decode_context_tokens,
+                    it.chunk_prefix_tokens,
                 ]
             )
 
