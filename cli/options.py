@@ -88,7 +88,15 @@ def replay_of(args: argparse.Namespace, rate: float | None = None) -> Replay:
 
     start, count = args.window
     pace = rate if rate is not None else args.rate
-    return Replay(start, count, pace, args.time_scale, args.length_scale, args.max_context, not args.keep_ties)
+    return Replay(
+        start,
+        count,
+        pace,
+        time_scale=args.time_scale,
+        length_scale=args.length_scale,
+        max_context=args.max_context,
+        spread_ties=not args.keep_ties,
+    )
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:

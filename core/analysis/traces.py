@@ -53,11 +53,11 @@ class Replay:
     time_scale: float = 1.0  # or: multiply every gap by this
     length_scale: float = 1.0  # multiply prompt, output and shared-run lengths
     max_context: int | None = None  # cap prompt + output: the output to half of it, then the prompt to the rest
-    max_output: int | None = None  # cap each output (scaled) at this: a prefill-heavy workload from a trace
     # requests logged at one time are spread evenly up to the next logged time: a
     # trace on a coarse clock (Mooncake's: a 3 s grid, ~10 requests a tick) would
     # otherwise replay its ticks as bursts its traffic never had
     spread_ties: bool = True
+    max_output: int | None = None  # cap each output (scaled) at this: a prefill-heavy workload from a trace
 
     def describe(self) -> str:
         end = "end" if self.count is None else self.start + self.count
