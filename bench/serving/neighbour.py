@@ -5,7 +5,7 @@ Issue 50 asks how much capacity a modest neighbour costs: on 2 cores the
 engine's compute thread, the gateway and the load client already share the
 machine, and a neighbour takes both some of a core and some of the memory
 bandwidth the decode steps live on. ``duty`` is the share of wall time it
-works: each 100 ms it copies a 32 MiB buffer over and over for ``duty`` of
+works: each 100 ms it copies a 64 MiB buffer over and over for ``duty`` of
 them, then sleeps the rest.
 
     with neighbour(0.25):
@@ -21,11 +21,11 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.servers import ROOT
+
 PERIOD_S = 0.1
-BUFFER = 32 << 20  # larger than the L3 of the machines so far: every copy goes to memory
+BUFFER = 64 << 20  # twice the largest L3 of the machines so far (32 MiB): every copy goes to memory
 
 
 @contextmanager
@@ -44,16 +44,14 @@ def neighbour(duty: float) -> Iterator[subprocess.Popen[bytes] | None]:
         proc.wait(timeout=10)
 
 
-def work(duty: float, rounds: int | None = None) -> None:
-    """Copy memory ``duty`` of every period, sleep the rest; ``rounds`` periods (None: forever)."""
+def work(duty: float) -> None:
+    """Copy memory ``duty`` of every period and sleep the rest, until killed."""
     src, dst = bytes(BUFFER), bytearray(BUFFER)
-    done = 0
-    while rounds is None or done < rounds:
+    while True:
         start = time.perf_counter()
         while time.perf_counter() - start < duty * PERIOD_S:
             dst[:] = src
         time.sleep(max(0.0, PERIOD_S - (time.perf_counter() - start)))
-        done += 1
 
 
 if __name__ == "__main__":
