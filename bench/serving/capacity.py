@@ -146,6 +146,7 @@ class Run:
     slo_name: str
     search: Search
     config: dict[str, Any] = field(default_factory=dict)  # stallfree's live settings for its trials
+    neighbour: float = 0.0  # a busy neighbour's duty during its trials (bench.serving.neighbour; 0: none)
 
 
 def main() -> None:
@@ -237,12 +238,14 @@ def main() -> None:
         rows = {t.name: read_trace(t.file) for t in traces}
         sf_budgets = [int(b) for b in args.stallfree_budgets.split(",") if b and b != "none"]
         sf_budgets = [0] if args.stallfree_budgets == "none" else sf_budgets
-        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup, args.neighbour)
+        trial = Trials(rows, {t.name: t for t in traces}, tokenizer, sf_url, args.requests, args.warmup)
         doc["predicted"] = predict(traces, rows, slos, profile, default, budgets, sf_budgets, args.requests)
         write(base, doc)
         runs = plan(
             traces, slos, profile, default, doc["predicted"], budgets, sf_budgets, args.max_trials, args.speculate
         )
+        for r in runs:
+            r.neighbour = args.neighbour
         confirmed: list[Run] = []
         for budget in budgets:
             if budget != budgets[0]:
@@ -465,11 +468,9 @@ class Trials:
         sf_url: str,
         count: int,
         warmup: float,
-        neighbour: float = 0.0,
     ) -> None:
         self.rows, self.specs, self.tokenizer = rows, specs, tokenizer
         self.sf_url, self.count, self.warmup = sf_url, count, warmup
-        self.neighbour = neighbour  # a busy neighbour's duty during every trial (bench.serving.neighbour)
         self.engines: dict[str, OpenAITarget] = {}
 
     def __call__(self, r: Run, rate: float) -> Trial:
@@ -478,7 +479,7 @@ class Trials:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         started = time.perf_counter()
         window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
-        with neighbour(self.neighbour):
+        with neighbour(r.neighbour):
             results, summary = trial_summary(
                 self.engines, engine, window, self.tokenizer, self.warmup, r.search.slo.tbt_p99_ms
             )
@@ -487,8 +488,9 @@ class Trials:
         if engine == "stallfree":  # what the server's cost model has learnt of this machine
             summary["cost_corrections"] = corrections(metrics)
         trial = trial_from(rate, summary)
+        name = r.engine + (" +neighbour" if r.neighbour else "")
         print(
-            f"{r.engine:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s ({len(results)} requests): "
+            f"{name:>16} {r.trace[:7]:>7} {r.slo_name:>7} {rate:7.3f} req/s ({len(results)} requests): "
             f"p99 TBT {trial.tbt_p99_ms:7.0f} ms (SLO {r.search.slo.tbt_p99_ms:.0f}), "
             f"sched p50 {trial.scheduling_delay_p50_ms:6.0f} ms, {trial.errors} errors: "
             f"{'meets' if trial.meets(r.search.slo) else 'fails'} ({summary['wall_s']:.0f} s)",
@@ -624,7 +626,8 @@ TARGETED = ("stallfree-default", "stallfree-tbt")  # stallfree's searches that a
 
 def trial_json(trial: Trial, r: Run) -> dict[str, Any]:
     figures = {k: v for k, v in trial.figures.items() if not isinstance(v, list)}
-    return {"rate": trial.rate, "meets": trial.meets(r.search.slo), "config": r.config, **figures}
+    busy = {"neighbour": r.neighbour} if r.neighbour else {}
+    return {"rate": trial.rate, "meets": trial.meets(r.search.slo), "config": r.config, **busy, **figures}
 
 
 def capacity_table(
