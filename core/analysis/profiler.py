@@ -43,8 +43,9 @@ class Point:
         return self.decodes + self.chunk
 
 
-class _Bench:
-    """Builds batches of fake requests straight onto the runner's KV cache."""
+class ShapeBench:
+    """Builds batches of fake requests straight onto the runner's KV cache:
+    an iteration of a chosen shape, to time (here, and ``bench.engine.shape_repeat``)."""
 
     def __init__(self, runner: ModelRunner, num_blocks: int) -> None:
         self.runner = runner
@@ -60,29 +61,37 @@ class _Bench:
         req.num_computed_tokens = computed
         return req
 
-    def time_ms(self, decodes: int, ctx: int, chunk: int, prefix: int, repeats: int) -> float:
+    def batch(self, decodes: int, ctx: int, chunk: int, prefix: int) -> tuple[Batch, list[Request]]:
+        """``decodes`` decodes after ``ctx`` cached tokens each, and a chunk of
+        ``chunk`` tokens after ``prefix`` (none at 0); its requests, to ``free``."""
         reqs = [self.request(ctx, 1) for _ in range(decodes)]
         items = [Item(r, ctx, 1, is_prefill=False) for r in reqs]
         if chunk:
             r = self.request(prefix, chunk)
             reqs.append(r)
             items.append(Item(r, prefix, chunk, is_prefill=True))
-        batch = Batch(0, items)
+        return Batch(0, items), reqs
+
+    def free(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.kv.free(r)
+
+    def time_ms(self, decodes: int, ctx: int, chunk: int, prefix: int, repeats: int) -> float:
+        batch, reqs = self.batch(decodes, ctx, chunk, prefix)
         self.runner.execute(batch)  # warm-up (allocator, caches)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             self.runner.execute(batch)
             times.append((time.perf_counter() - start) * 1e3)
-        for r in reqs:
-            self.kv.free(r)
+        self.free(reqs)
         return statistics.median(times)
 
 
 def measure(runner: ModelRunner, num_blocks: int, quick: bool = False, decodes: int = 8, ctx: int = 256) -> list[Point]:
     """Iteration time for: decode-only batches; `decodes` decodes plus a chunk of
     each size (the budget curve); one chunk after a growing prefix."""
-    b = _Bench(runner, num_blocks)
+    b = ShapeBench(runner, num_blocks)
     repeats = 2 if quick else 3
     points = [
         Point(n, ctx, 0, 0, b.time_ms(n, ctx, 0, 0, repeats)) for n in ((1, 8, 32) if quick else (1, 8, 16, 32, 64))
