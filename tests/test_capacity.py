@@ -228,3 +228,11 @@ def test_on_the_simulated_engine_the_fixed_set_meets_an_slo_up_to_one_rate_and_n
         found = search(run, slo, first=7.0, tolerance=0.025)
         above = [t.rate for t in found.trials if t.rate > found.rate]
         assert found.rate > 0 and min(above) <= found.rate * 1.025 + 1e-9  # converged to 2.5 %
+
+
+def test_vllm_below_budget_64_runs_no_more_sequences_than_its_budget():
+    """vLLM refuses max_num_seqs above max_num_batched_tokens: budgets under the
+    engines' 64 sequences take as many sequences as tokens, in the simulator too."""
+    from bench.serving.capacity import MAX_NUM_SEQS, vllm_seqs
+
+    assert [vllm_seqs(b) for b in (16, 32, 64, 512)] == [16, 32, MAX_NUM_SEQS, MAX_NUM_SEQS]

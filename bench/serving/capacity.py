@@ -92,6 +92,7 @@ TRACES = ROOT / "bench" / "traces"
 TBT_BUDGET = 512
 DRAIN_S = 180.0  # a trial still running this long after its last arrival has failed: its requests are cancelled
 MAX_MODEL_LEN = 4096
+MAX_NUM_SEQS = 64  # both engines' (bench/peers/vllm/start.sh's); vLLM's no more than its budget
 # vLLM's queue-time histogram with stallfree's buckets: both medians interpolated alike
 VLLM_BUCKETS = {"request_latency": list(LATENCY_BUCKETS)}
 TOLERANCE = 0.025  # Sarathi-Serve's search stops when its bounds are this close
@@ -209,7 +210,7 @@ def main() -> None:
         "trials": [],
     }
     sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
+        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS)),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
         log=logs / "capacity-stallfree.log",
     )
@@ -325,9 +326,16 @@ def measure_profile(dtype: str) -> Path:
     return path
 
 
+def vllm_seqs(budget: int) -> int:
+    """vLLM's max_num_seqs at a budget: it refuses more sequences than batched tokens."""
+    return min(MAX_NUM_SEQS, budget)
+
+
 def vllm_at(port: int, budget: int, dtype: str, log: Path) -> subprocess.Popen:
-    """vLLM at this max_num_batched_tokens, prefix caching on, its queue times in fine buckets."""
+    """vLLM at this max_num_batched_tokens (below 64, as many sequences at most),
+    prefix caching on, its queue times in fine buckets."""
     flags = ["--dtype", dtype, "--max-num-batched-tokens", str(budget), "--max-model-len", str(MAX_MODEL_LEN)]
+    flags += ["--max-num-seqs", str(vllm_seqs(budget))]
     flags += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     return start_vllm(port, log, *flags, "--custom-histogram-buckets", json.dumps(VLLM_BUCKETS))
 
@@ -382,10 +390,11 @@ def predict(
         out[t.name] = {}
         for slo_name, slo in slos.items():
             configs = {**stallfree_configs(slo, profile, default, budgets=sf_budgets)}
-            configs |= {f"vllm-{b}": {"tbt_slo_ms": 0.0, "token_budget": b} for b in budgets}
+            vllm = {"tbt_slo_ms": 0.0}
+            configs |= {f"vllm-{b}": {**vllm, "token_budget": b, "max_num_seqs": vllm_seqs(b)} for b in budgets}
             out[t.name][slo_name] = {}
             for engine, config in configs.items():
-                scheduler = SchedulerConfig(max_num_seqs=64, max_model_len=MAX_MODEL_LEN, **config)
+                scheduler = SchedulerConfig(**{"max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN, **config})
 
                 def run(
                     rate: float, t: TraceSpec = t, scheduler: SchedulerConfig = scheduler, cost: IterationCost = cost
