@@ -9,7 +9,7 @@ Each engine (stallfree with its TBT target at the SLO, and vLLM at one
 budget if given) is searched twice on the same requests and the same SLO:
 once on a quiet machine, once while ``bench.serving.neighbour`` copies
 memory ``--duty`` of the time in a process of its own. The searches'
-trials alternate one by one, so the machine's drift falls on all four
+trials alternate one by one, so the machine's drift falls on all of them
 alike; the capacity rule, the servers and the client are
 ``bench.serving.capacity``'s, the SLO given (a capacity record's, so the
 figures sit beside it). Writes bench/results/contention-<date>.{json,md}.
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
@@ -112,7 +111,6 @@ def main() -> None:
         if args.vllm_budget:
             vl = vllm_at(vl_port, args.vllm_budget, dtype, logs / f"contention-vllm-{args.vllm_budget}.log")
             trial.engines[f"vllm-{args.vllm_budget}"] = OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2")
-        httpx.get(sf.url + "/api/config", timeout=30).raise_for_status()
         alternate(runs, trial, doc, base)
         confirm(runs, trial, doc, base, args.confirm)
     finally:
@@ -156,7 +154,7 @@ def report(runs: list[Run], doc: dict[str, Any], base: Path) -> None:
         f"`{doc['command']}` on {describe(doc['machine'])}, {doc['date']}; dtype {doc['dtype']}, one compute thread "
         f"each; {doc['trace']}, {doc['replay']}; SLO: {doc['slo']} (and P50 TTFT <= 2 s). The neighbour "
         f"(`bench.serving.neighbour`) copied a 64 MiB buffer {doc['duty']:.0%} of every 100 ms during each of its "
-        "searches' trials; the four searches' trials alternated one by one.",
+        "searches' trials; the searches' trials alternated one by one.",
         "",
         *table(
             [
