@@ -17,7 +17,7 @@ import structlog
 from stallfree.core.sched.batch import Batch, IterationRecord, Logprobs, NewToken
 from stallfree.core.sched.block_manager import BlockManager
 from stallfree.core.sched.config import CacheConfig, SchedulerConfig
-from stallfree.core.sched.cost import IterationCost
+from stallfree.core.sched.cost import Chunks, IterationCost
 from stallfree.core.sched.deadline import Forecast
 from stallfree.core.sched.drafts import Drafter
 from stallfree.core.sched.request import FinishReason, Request, RequestEnd, SamplingParams
@@ -193,7 +193,7 @@ class Engine:
         self.failed_in_a_row = 0
         if self.cost is not None:
             self.cost.observe(*shape, (end_ns - start_ns) / 1e9)
-        return self._collect(self._record(batch, start_ns, end_ns, emitted), emitted)
+        return self._collect(self._record(batch, shape, start_ns, end_ns, emitted), emitted)
 
     def _prepare(self, batch: Batch) -> None:
         """What the runner does before any batch's items run, whichever runner it is."""
@@ -280,11 +280,13 @@ class Engine:
             s.forecast(self.clock()),
         )
 
-    def _record(self, batch: Batch, start_ns: int, end_ns: int, emitted: list[NewToken]) -> IterationRecord:
+    def _record(
+        self, batch: Batch, shape: tuple[list[int], Chunks], start_ns: int, end_ns: int, emitted: list[NewToken]
+    ) -> IterationRecord:
         s = self.scheduler
         target_ns = int(batch.target_s * 1e9)
         missed = (batch.over_target or "prediction") if target_ns and end_ns - start_ns > target_ns else None
-        contexts, chunks = batch.shape()
+        contexts, chunks = shape
         return IterationRecord(
             iteration=batch.iteration,
             start_ns=start_ns,
