@@ -210,11 +210,7 @@ def main() -> None:
         },
         "trials": [],
     }
-    sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS)),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
-        log=logs / "capacity-stallfree.log",
-    )
+    sf = stallfree_at(dtype, profile_path, log=logs / "capacity-stallfree.log")
     sf_port = sf.port
     sf_url = f"http://127.0.0.1:{sf_port}"
     started = httpx.get(sf_url + "/api/config", timeout=30).json()["scheduler"]
@@ -325,6 +321,18 @@ def measure_profile(dtype: str) -> Path:
         f"{time.strftime('%Y-%m-%d')}.\n\n```text\n{out.stdout.strip()}\n```\n"
     )
     return path
+
+
+def stallfree_at(dtype: str, profile: Path | str, *flags: str, log: Path | None = None) -> StallfreeServer:
+    """stallfree as the capacity benches serve it beside vLLM: the same weights
+    and dtype, one compute thread, the engines' sequence cap, the TBT target's
+    budget, the profile given (then ``flags``)."""
+    return StallfreeServer(
+        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS)),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile)),
+        *flags,
+        log=log,
+    )
 
 
 def vllm_seqs(budget: int) -> int:

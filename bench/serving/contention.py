@@ -26,11 +26,8 @@ from typing import Any
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import StallfreeServer, free_port, stop
+from bench.servers import free_port, stop
 from bench.serving.capacity import (
-    MAX_MODEL_LEN,
-    MAX_NUM_SEQS,
-    MODEL_DIR,
     TBT_BUDGET,
     TOLERANCE,
     TRACE_SPECS,
@@ -38,6 +35,7 @@ from bench.serving.capacity import (
     Trials,
     alternate,
     confirm,
+    stallfree_at,
     summary_of,
     vllm_at,
     write,
@@ -96,11 +94,7 @@ def main() -> None:
         "duty": args.duty,
         "trials": [],
     }
-    sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS)),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(args.profile)),
-        log=logs / "contention-stallfree.log",
-    )
+    sf = stallfree_at(dtype, args.profile, log=logs / "contention-stallfree.log")
     vl, vl_port = None, free_port()
     trial = Trials(
         {spec.name: read_trace(spec.file)}, {spec.name: spec}, load_tokenizer(), sf.url, args.requests, args.warmup

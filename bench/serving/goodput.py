@@ -61,7 +61,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import ROOT, VLLM, StallfreeServer, free_port, stop
+from bench.servers import ROOT, VLLM, free_port, stop
 from bench.serving.capacity import (
     MAX_MODEL_LEN,
     MODEL_DIR,
@@ -74,6 +74,7 @@ from bench.serving.capacity import (
     decode_gap_ms,
     measure_profile,
     replay_trial,
+    stallfree_at,
     vllm_at,
 )
 from stallfree.core.analysis.capacity_search import STRICT, Goodput, Search, Trial, search, trial_from
@@ -163,11 +164,7 @@ def main() -> None:
         "max_trials": args.max_trials,
         "trials": [],
     }
-    sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile_path)),
-        log=logs / "goodput-stallfree.log",
-    )
+    sf = stallfree_at(dtype, profile_path, log=logs / "goodput-stallfree.log")
     started = httpx.get(sf.url + "/api/config", timeout=30).json()["scheduler"]
     default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}  # the targets serve derived
     doc["stallfree_default"] = default

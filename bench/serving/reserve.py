@@ -39,8 +39,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import StallfreeServer
-from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS, trial_summary
+from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS, stallfree_at, trial_summary
 from stallfree.core.analysis.capacity_search import SLO, Trial, search, trial_from
 from stallfree.core.analysis.profiler import Profile
 from stallfree.core.analysis.simulator import report, simulate, trace_arrivals
@@ -78,11 +77,7 @@ def main() -> None:
     base = dated("reserve")
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(args.profile)),
-        log=logs / "reserve-stallfree.log",
-    )
+    sf = stallfree_at(dtype, args.profile, log=logs / "reserve-stallfree.log")
     started = httpx.get(sf.url + "/api/config", timeout=30).json()["scheduler"]
     targets = {
         name: {"tbt_slo_ms": started["tbt_slo_ms"] if name == "strict" else ms, "ttft_slo_ms": 2000.0}

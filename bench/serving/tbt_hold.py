@@ -48,7 +48,7 @@ from websockets.asyncio.client import connect
 
 from bench.record import dated, describe, machine, table
 from bench.servers import NO_TARGETS, StallfreeServer
-from bench.serving.capacity import MAX_MODEL_LEN, MODEL_DIR, TBT_BUDGET, TRACE_SPECS
+from bench.serving.capacity import TRACE_SPECS, stallfree_at
 from stallfree.core.analysis.traces import read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.model_runner import resolve_dtype
@@ -301,11 +301,7 @@ def main() -> None:
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     tokenizer = load_tokenizer()
     rows = read_trace(spec.file)
-    sf = StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", "64"),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", args.profile),
-        *NO_TARGETS,
-    )
+    sf = stallfree_at(dtype, args.profile, *NO_TARGETS)
     runs: list[TrialRecord] = []
     try:
         httpx.put(sf.url + "/api/config", json={"tbt_slo_ms": args.target_ms}, timeout=30).raise_for_status()
