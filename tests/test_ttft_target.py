@@ -21,7 +21,7 @@ from stallfree.core.analysis.sim_runner import SimRunner, VirtualClock
 from stallfree.core.analysis.simulated_capacity import good_share
 from stallfree.core.analysis.simulator import Arrival, report, simulate
 from stallfree.core.sched.config import CacheConfig, Policy, SchedulerConfig
-from stallfree.core.sched.deadline import Forecast, Pace, slack_s, tokens_needed, verdict
+from stallfree.core.sched.deadline import Forecast, Pace, late_together, slack_s, tokens_needed, verdict
 from stallfree.core.sched.engine import Engine
 from stallfree.core.sched.policy import order_waiting
 from stallfree.core.sched.request import FinishReason
@@ -84,6 +84,44 @@ def test_a_prompt_that_cannot_make_it_goes_after_those_that_can():
     e.add_request(a)
     e.add_request(request("B", 100, arrival_ns=150 * MS))
     assert first_chunk(e, 200) == "B"
+
+
+def together(*prompts: tuple[str, int, float]):
+    """Prompts (id, tokens, own target in ms), all arrived at 0."""
+    out = []
+    for rid, n, target in prompts:
+        r = request(rid, n, arrival_ns=0)
+        r.ttft_slo_ms = target
+        out.append(r)
+    return out
+
+
+def test_prompts_that_cannot_all_make_their_targets_lose_the_fewest():
+    """At 100 tokens per 60 ms from 0: L (600 tokens, due at 400 ms) makes it alone
+    (360 ms), and so do A and B (100 tokens, due at 410 and 430). Served by
+    deadline, L then A then B: A ends at 420 ms, B at 480, both late. The rule
+    relegates the longest so far when a prompt would be late: L, and A and B
+    end at 60 and 120 ms. When L's class is the more urgent, it is not
+    relegated for them: A is, and B makes it behind L (420 ms)."""
+    pace = Pace(100, 0.060)
+    l, a, b = together(("L", 600, 400.0), ("A", 100, 410.0), ("B", 100, 430.0))
+    assert late_together([(0, l), (0, a), (0, b)], 0, pace) == {"L"}
+    assert late_together([(0, l), (1, a), (1, b)], 0, pace) == {"A"}
+    assert late_together([(0, l), (0, a)], 0, Pace(100, 0.050)) == set()  # 350 and 400 ms: both on time
+
+
+def test_the_scheduler_relegates_a_prompt_that_would_make_others_late():
+    """The three prompts above in an engine (nobody decoding: 100 tokens per 60 ms):
+    A's chunk first, then B's, though L's deadline is the nearest; A and B get
+    their first tokens in time, L late (by deadline alone: L in time, A and B late)."""
+    e = engine(ttft_slo_ms=1000.0)
+    prompts = together(("L", 600, 400.0), ("A", 100, 410.0), ("B", 100, 430.0))
+    for r in prompts:
+        e.add_request(r)
+    assert [first_chunk(e, ms) for ms in (0, 60)] == ["A", "B"]
+    run_to_completion(e)
+    first_ms = {r.request_id: r.timeline.first_token_ns / MS for r in prompts}
+    assert first_ms["A"] <= 410 and first_ms["B"] <= 430 and first_ms["L"] > 400, first_ms
 
 
 def test_the_starvation_ceiling_overtakes_all_but_prompts_that_can_make_their_targets():

@@ -65,12 +65,12 @@ from stallfree.core.sched.block_manager import Admitted, BlockManager
 from stallfree.core.sched.chunk_rule import BUDGET, WHOLE, ChunkRule
 from stallfree.core.sched.config import Chunking, Policy, SchedulerConfig, Speculate
 from stallfree.core.sched.cost import IterationCost
-from stallfree.core.sched.deadline import Forecast, Pace, deadline_ns, slack_s, tokens_needed
+from stallfree.core.sched.deadline import Forecast, Pace, deadline_ns, late_together, slack_s, tokens_needed
 from stallfree.core.sched.drafts import Drafter, NgramDrafter, expected_accepted, paying_drafts
 from stallfree.core.sched.fairness import TenantCounters
 from stallfree.core.sched.forecast import forecast_entry
 from stallfree.core.sched.handoff import KvImport
-from stallfree.core.sched.policy import deadline_order, order_waiting, overdue_before
+from stallfree.core.sched.policy import class_rank, deadline_order, order_waiting, overdue_before
 from stallfree.core.sched.request import Chunk, FinishReason, Request, RequestStatus
 from stallfree.core.sched.stalls import PrefillLog
 from stallfree.core.sched.time_limit import TimeLimit
@@ -109,6 +109,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_added = 0  # requests ever given (the gateway counts those it sent since a forecast)
         self.pace: Pace | None = None  # the prefill pace of the latest iteration with deadlines to keep
+        self._late: frozenset[str] = frozenset()  # this iteration's prompts relegated together (_late_together)
         self.tenants = TenantCounters()  # tokens served per tenant: the fair policy's order
         self._iteration = 0
         self._finished: list[str] = []  # requests ended since the last batch: the next one names them
@@ -223,8 +224,10 @@ class Scheduler:
         left = self._decode(batch, budget)  # pass 1
         self._set_target(batch)
         limit = self._time_limit(batch)
+        self._late = frozenset()
         if self.cost is not None and self._keeps_deadlines():
             self._set_pace(batch, left, limit)
+            self._late = self._late_together(now_ns)
         if mode == Chunking.STALL_FREE and self._keeps_deadlines():  # passes 2 and 3
             left = self._prefill_by_deadline(batch, left, now_ns, limit)
         elif mode == Chunking.STALL_FREE:
@@ -650,11 +653,30 @@ class Scheduler:
         req.status = status
 
     def _slack(self, now_ns: int) -> Callable[[Request], float] | None:
-        """Each prompt's slack at the pace of this iteration (None: no prompt has a TTFT target)."""
+        """Each prompt's slack at the pace of this iteration (None: no prompt has a
+        TTFT target); minus infinity for one relegated with others (``_late_together``)."""
         if not self._keeps_deadlines():
             return None
+        pace, late = self.pace, self._late
+        return lambda r: -math.inf if r.request_id in late else slack_s(r, now_ns, pace)
+
+    def _late_together(self, now_ns: int) -> frozenset[str]:
+        """The prompts this iteration may prefill that could each make their TTFT
+        targets alone but not together, relegated for this iteration
+        (``core.sched.deadline.late_together``). The waiting ones only while a
+        seat is free: with every seat taken none is admitted, and a flood of
+        10,000 waiting is not read every iteration."""
         pace = self.pace
-        return lambda r: slack_s(r, now_ns, pace)
+        assert pace is not None
+        policy, served = self.config.policy, self.tenants.served
+        partials = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        seat = len(self.running) < self.config.max_num_seqs
+        queued = [
+            (class_rank(policy, r.priority, r.tenant, r.num_pending_tokens, served), r)
+            for r in itertools.chain(partials, self.waiting if seat else ())
+            if r.ttft_slo_ms and slack_s(r, now_ns, pace) >= 0
+        ]
+        return late_together(queued, now_ns, pace)
 
     # -- update ------------------------------------------------------------
     def update(self, batch: Batch, sampled: Sampled, start_ns: int, end_ns: int) -> list[NewToken]:
