@@ -236,3 +236,26 @@ def test_vllm_below_budget_64_runs_no_more_sequences_than_its_budget():
     from bench.serving.capacity import MAX_NUM_SEQS, vllm_seqs
 
     assert [vllm_seqs(b) for b in (16, 32, 64, 512)] == [16, 32, MAX_NUM_SEQS, MAX_NUM_SEQS]
+
+
+def test_the_whole_machine_runs_both_engines_and_the_profile_on_the_threads_asked(tmp_path, monkeypatch):
+    """--threads N: stallfree's server and its profile compute on N threads, vLLM's
+    OpenMP threads are bound to cores 0 to N-1 (one thread: vLLM's own default, no
+    binding); a profile measured at another thread count is refused, not used."""
+    import bench.serving.capacity as capacity
+    from stallfree.core.analysis.profiler import Profile
+
+    started: list[dict[str, str] | None] = []
+    monkeypatch.setattr(capacity, "start_vllm", lambda port, log, *flags, env=None: started.append(env))
+    for threads in (1, 2):
+        capacity.vllm_at(8100, 64, "bfloat16", tmp_path / "log", threads)
+    assert started == [None, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}]
+
+    monkeypatch.setattr(capacity, "StallfreeServer", lambda *args, log=None: list(args))
+    args = capacity.stallfree_at("bfloat16", "p.json", threads=2)
+    assert args[args.index("--threads") + 1] == "2"
+
+    saved = Path(__file__).parent.parent / "bench" / "results" / "profile-2026-12-06-2.json"  # one thread
+    assert Profile.load(saved).threads == 1 and capacity.load_profile(saved, 1).threads == 1
+    with pytest.raises(SystemExit, match="1 thread"):
+        capacity.load_profile(saved, 2)

@@ -37,7 +37,9 @@ Configurations, each searched for each trace and SLO:
   ``max_num_batched_tokens``, restarted for each (below 64, with
   ``max_num_seqs`` at the budget: vLLM's rule); the best is its capacity.
 Both serve the same weights (bench/peers/vllm/smollm2-hf) in the same dtype
-with one compute thread and prefix caching on, driven through the same
+with ``--threads`` compute threads each (one by default; more: the whole
+machine, vLLM's OpenMP threads bound to cores 0 to N-1, its default on 2
+cores being one) and prefix caching on, driven through the same
 OpenAI streaming API by this process; their scheduling delays come from
 their own Prometheus histograms (vLLM's queue time, stallfree's scheduling
 delay: ``core.sched.timings`` says why they are the same quantity). Trials of all searches alternate
@@ -165,6 +167,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads, each engine (the profile's too)")
     ap.add_argument(
         "--speculate",
         choices=["off", "ngram"],
@@ -194,14 +197,15 @@ def main() -> None:
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     traces = [TRACE_SPECS[key] for key in TRACE_SETS.get(args.trace, (args.trace,))]
-    profile_path = args.profile or measure_profile(dtype)
-    profile = Profile.load(profile_path)
+    profile_path = args.profile or measure_profile(dtype, args.threads)
+    profile = load_profile(profile_path, args.threads)
     budgets = [int(b) for b in args.vllm_budgets.split(",")]
     doc: dict[str, Any] = {
         "command": "python -m bench.serving.capacity " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "dtype": dtype,
+        "threads": args.threads,
         "speculate": args.speculate,
         "neighbour": args.neighbour,
         "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
@@ -210,14 +214,14 @@ def main() -> None:
         },
         "trials": [],
     }
-    sf = stallfree_at(dtype, profile_path, log=logs / "capacity-stallfree.log")
+    sf = stallfree_at(dtype, profile_path, threads=args.threads, log=logs / "capacity-stallfree.log")
     sf_port = sf.port
     sf_url = f"http://127.0.0.1:{sf_port}"
     started = httpx.get(sf_url + "/api/config", timeout=30).json()["scheduler"]
     default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}  # the targets serve derived
     doc["stallfree_default"] = default
     vl_port = free_port()
-    vl = vllm_at(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log")
+    vl = vllm_at(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log", args.threads)
     runs: list[Run] = []
     try:
         decode_ms = {
@@ -248,7 +252,7 @@ def main() -> None:
         for budget in budgets:
             if budget != budgets[0]:
                 stop(vl)
-                vl = vllm_at(vl_port, budget, dtype, logs / f"capacity-vllm-{budget}.log")
+                vl = vllm_at(vl_port, budget, dtype, logs / f"capacity-vllm-{budget}.log", args.threads)
             trial.engines = {
                 "stallfree": OpenAITarget(sf_url + "/v1", "smollm2"),
                 f"vllm-{budget}": OpenAITarget(f"http://127.0.0.1:{vl_port}/v1", "smollm2"),
@@ -298,8 +302,8 @@ def table_of_record(path: Path) -> None:
     print(path.with_suffix(".md").read_text())
 
 
-def measure_profile(dtype: str) -> Path:
-    """``stallfree profile`` of the served weights, saved as a dated result."""
+def measure_profile(dtype: str, threads: int = 1) -> Path:
+    """``stallfree profile`` of the served weights at ``threads``, saved as a dated result."""
     path = dated("profile").with_suffix(".json")
     cmd = [
         sys.executable,
@@ -311,7 +315,7 @@ def measure_profile(dtype: str) -> Path:
         "--dtype",
         dtype,
         "--threads",
-        "1",
+        str(threads),
     ]
     cmd += ["--tpot-slo-ms", "250", "--save", str(path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
@@ -323,12 +327,24 @@ def measure_profile(dtype: str) -> Path:
     return path
 
 
-def stallfree_at(dtype: str, profile: Path | str, *flags: str, log: Path | None = None) -> StallfreeServer:
+def load_profile(path: Path, threads: int) -> Profile:
+    """The cost model stallfree serves with, measured at the threads it will compute on
+    (a profile of one thread would predict two threads' iterations nearly twice too long)."""
+    profile = Profile.load(path)
+    if profile.threads != threads:
+        sys.exit(f"{path} was measured at {profile.threads} thread(s), not --threads {threads}")
+    return profile
+
+
+def stallfree_at(
+    dtype: str, profile: Path | str, *flags: str, threads: int = 1, log: Path | None = None
+) -> StallfreeServer:
     """stallfree as the capacity benches serve it beside vLLM: the same weights
-    and dtype, one compute thread, the engines' sequence cap, the TBT target's
-    budget, the profile given (then ``flags``)."""
+    and dtype, ``threads`` compute threads, the engines' sequence cap, the TBT
+    target's budget, the profile given (then ``flags``)."""
     return StallfreeServer(
-        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS)),
+        *("--model", str(MODEL_DIR), "--dtype", dtype, "--threads", str(threads)),
+        *("--max-num-seqs", str(MAX_NUM_SEQS)),
         *("--max-model-len", str(MAX_MODEL_LEN), "--token-budget", str(TBT_BUDGET), "--profile", str(profile)),
         *flags,
         log=log,
@@ -340,13 +356,15 @@ def vllm_seqs(budget: int) -> int:
     return min(MAX_NUM_SEQS, budget)
 
 
-def vllm_at(port: int, budget: int, dtype: str, log: Path) -> subprocess.Popen:
+def vllm_at(port: int, budget: int, dtype: str, log: Path, threads: int = 1) -> subprocess.Popen:
     """vLLM at this max_num_batched_tokens (below 64, as many sequences at most),
-    prefix caching on, its queue times in fine buckets."""
+    prefix caching on, its queue times in fine buckets, on ``threads`` OpenMP
+    threads (more than one: bound to cores 0 to threads-1, as bench.serving.compare does)."""
     flags = ["--dtype", dtype, "--max-num-batched-tokens", str(budget), "--max-model-len", str(MAX_MODEL_LEN)]
     flags += ["--max-num-seqs", str(vllm_seqs(budget))]
     flags += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    return start_vllm(port, log, *flags, "--custom-histogram-buckets", json.dumps(VLLM_BUCKETS))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"} if threads > 1 else None
+    return start_vllm(port, log, *flags, "--custom-histogram-buckets", json.dumps(VLLM_BUCKETS), env=env)
 
 
 def engines_for_stallfree(sf_url: str) -> dict[str, OpenAITarget]:
@@ -706,6 +724,12 @@ def summary_of(r: Run, doc_trials: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def threads_each(doc: dict[str, Any]) -> str:
+    """How many compute threads each engine had (records before ``--threads``: one)."""
+    n = doc.get("threads", 1)
+    return "one compute thread each" if n == 1 else f"{n} compute threads each"
+
+
 def write(base: Path, doc: dict[str, Any]) -> None:
     base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
     if "table" not in doc:
@@ -714,7 +738,7 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     lines = [
         "# Capacity under a TBT SLO: stallfree beside vLLM 0.32 on production traces",
         "",
-        f"`{doc['command']}` on {describe(m)}, {doc['date']}; dtype {doc['dtype']}, one compute thread each, "
+        f"`{doc['command']}` on {describe(m)}, {doc['date']}; dtype {doc['dtype']}, {threads_each(doc)}, "
         f"same weights, both through the OpenAI streaming API, prefix caching on; stallfree's profile: "
         f"`{doc['profile']}`; stallfree's speculative decoding: {doc.get('speculate', 'off')} (vLLM's: off; "
         "the simulator's predictions: off)."

@@ -28,8 +28,9 @@ Configurations, on each trace, their trials alternating one by one:
   iteration (64: its best at the strict SLO, capacity-2026-12-03-4).
 One stallfree server, reconfigured live between trials (PUT /api/config);
 one vLLM, started once. Both serve the same weights in the same dtype with
-one compute thread and prefix caching on, driven through the same OpenAI
-streaming API by this process.
+``--threads`` compute threads each (one by default; as ``bench.serving.capacity``
+sets them) and prefix caching on, driven through the same OpenAI streaming
+API by this process.
 
 Then: the shedding check, stallfree-shed once at 1.5 x vLLM's goodput
 capacity (done when at least 90 % of the admitted requests were good and
@@ -72,13 +73,14 @@ from bench.serving.capacity import (
     TraceSpec,
     corrections,
     decode_gap_ms,
+    load_profile,
     measure_profile,
     replay_trial,
     stallfree_at,
+    threads_each,
     vllm_at,
 )
 from stallfree.core.analysis.capacity_search import STRICT, Goodput, Search, Trial, search, trial_from
-from stallfree.core.analysis.profiler import Profile
 from stallfree.core.analysis.simulator import report, simulate, trace_arrivals
 from stallfree.core.analysis.traces import TraceRequest, read_trace, replay
 from stallfree.core.model.embedded import load_tokenizer
@@ -131,6 +133,7 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=6, help="per search")
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads, each engine (the profile's too)")
     ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all five)")
     ap.add_argument(
         "--shed-check-vs",
@@ -148,13 +151,14 @@ def main() -> None:
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     traces = [TRACE_SPECS[key] for key in TRACE_SETS.get(args.trace, (args.trace,))]
-    profile_path = args.profile or measure_profile(dtype)
-    profile = Profile.load(profile_path)
+    profile_path = args.profile or measure_profile(dtype, args.threads)
+    profile = load_profile(profile_path, args.threads)
     doc: dict[str, Any] = {
         "command": "python -m bench.serving.goodput " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "dtype": dtype,
+        "threads": args.threads,
         "profile": str(profile_path.relative_to(ROOT) if profile_path.is_relative_to(ROOT) else profile_path),
         "traces": {
             t.name: {"file": str(t.file.relative_to(ROOT)), "replay": t.describe(args.requests)} for t in traces
@@ -164,7 +168,7 @@ def main() -> None:
         "max_trials": args.max_trials,
         "trials": [],
     }
-    sf = stallfree_at(dtype, profile_path, log=logs / "goodput-stallfree.log")
+    sf = stallfree_at(dtype, profile_path, threads=args.threads, log=logs / "goodput-stallfree.log")
     started = httpx.get(sf.url + "/api/config", timeout=30).json()["scheduler"]
     default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}  # the targets serve derived
     doc["stallfree_default"] = default
@@ -175,7 +179,7 @@ def main() -> None:
     }
     vl: subprocess.Popen | None = None
     try:
-        vl = vllm_at(vl_port, args.vllm_budget, dtype, logs / f"goodput-vllm-{args.vllm_budget}.log")
+        vl = vllm_at(vl_port, args.vllm_budget, dtype, logs / f"goodput-vllm-{args.vllm_budget}.log", args.threads)
         decode_ms = {name: decode_gap_ms(target, tokenizer) for name, target in engines.items()}
         slo_ms = STRICT * max(decode_ms.values())
         doc["decode_only_iteration_ms"] = decode_ms
@@ -431,8 +435,8 @@ def write(base: Path, doc: dict[str, Any]) -> None:
     lines = [
         "# Goodput capacity: stallfree's TTFT and TBT targets, with and without shedding, beside vLLM 0.32",
         "",
-        f"`{doc['command']}` on {describe(doc['machine'])}, {doc['date']}; dtype {doc['dtype']}, one compute "
-        f"thread each, same weights, both through the OpenAI streaming API, prefix caching on; stallfree's "
+        f"`{doc['command']}` on {describe(doc['machine'])}, {doc['date']}; dtype {doc['dtype']}, "
+        f"{threads_each(doc)}, same weights, both through the OpenAI streaming API, prefix caching on; stallfree's "
         f"profile: `{doc['profile']}`.",
         "",
         f"Good: completed, TTFT <= {doc['ttft_slo_ms']:g} ms from sending, its own P99 gap <= "
