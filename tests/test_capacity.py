@@ -259,3 +259,25 @@ def test_the_whole_machine_runs_both_engines_and_the_profile_on_the_threads_aske
     assert Profile.load(saved).threads == 1 and capacity.load_profile(saved, 1).threads == 1
     with pytest.raises(SystemExit, match="1 thread"):
         capacity.load_profile(saved, 2)
+
+
+def test_a_first_rate_given_starts_every_search_there_else_the_simulators_prediction():
+    """``--first``: every search, stallfree's and vLLM's, starts at that rate (the
+    simulator's prediction from a profile of another machine or thread count can
+    be far off); without it each starts at its configuration's prediction."""
+    from bench.serving.capacity import TRACE_SPECS, plan
+    from stallfree.core.analysis.profiler import Profile
+
+    profile = Profile.load(Path(__file__).parent.parent / "bench" / "results" / "profile-2026-12-06-2.json")
+    trace = TRACE_SPECS["azure"]
+    slos = {"strict": SLO(150.0)}
+    engines = ("stallfree-default", "stallfree-tbt", "vllm-64")
+    predicted = {trace.name: {"strict": {e: 3.0 + i for i, e in enumerate(engines)}}}
+    default = {"tbt_slo_ms": 100.0, "ttft_slo_ms": 2000.0}
+
+    def firsts(first_rate: float | None) -> dict[str, float | None]:
+        runs = plan([trace], slos, profile, default, predicted, [64], [0], 5, "off", first_rate)
+        return {r.engine: r.search.next_rate() for r in runs}
+
+    assert firsts(8.0) == dict.fromkeys(engines, 8.0)
+    assert firsts(None) == {"stallfree-default": 3.0, "stallfree-tbt": 4.0, "vllm-64": 5.0}

@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=8, help="per search")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads, each engine (the profile's too)")
+    ap.add_argument("--first", type=float, help="every search's first rate (default: the simulator's prediction)")
     ap.add_argument(
         "--speculate",
         choices=["off", "ngram"],
@@ -244,7 +245,16 @@ def main() -> None:
         doc["predicted"] = predict(traces, rows, slos, profile, default, budgets, sf_budgets, args.requests)
         write(base, doc)
         runs = plan(
-            traces, slos, profile, default, doc["predicted"], budgets, sf_budgets, args.max_trials, args.speculate
+            traces,
+            slos,
+            profile,
+            default,
+            doc["predicted"],
+            budgets,
+            sf_budgets,
+            args.max_trials,
+            args.speculate,
+            args.first,
         )
         for r in runs:
             r.neighbour = args.neighbour
@@ -472,22 +482,23 @@ def plan(
     sf_budgets: list[int],
     max_trials: int,
     speculate: str,
+    first_rate: float | None = None,
 ) -> list[Run]:
-    """Every search, each from the simulator's prediction for its configuration;
-    the searches of one configuration that ``shares_trials`` share them."""
+    """Every search, each from the simulator's prediction for its configuration
+    (or ``first_rate``); the searches of one configuration that ``shares_trials`` share them."""
     runs = []
     for t in traces:
         shared: dict[str, dict[float, Trial]] = {}
         for slo_name, slo in slos.items():
             guess = predicted[t.name][slo_name]
             for engine, config in stallfree_configs(slo, profile, default, speculate, sf_budgets).items():
-                first = max(guess[engine], 0.05)
+                first = first_rate or max(guess[engine], 0.05)
                 known = shared.setdefault(engine, {}) if shares_trials(engine) else None
                 found = Search(slo, first, TOLERANCE, max_trials=max_trials, lowest=first / 16, known=known)
                 runs.append(Run(engine, t.name, slo_name, found))
                 runs[-1].config = config
             for b in budgets:
-                first = max(guess[f"vllm-{b}"], 0.05)
+                first = first_rate or max(guess[f"vllm-{b}"], 0.05)
                 found = Search(slo, first, TOLERANCE, max_trials, first / 16, known=shared.setdefault(f"vllm-{b}", {}))
                 runs.append(Run(f"vllm-{b}", t.name, slo_name, found))
     return runs
