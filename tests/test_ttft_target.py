@@ -104,10 +104,10 @@ def test_prompts_that_cannot_all_make_their_targets_lose_the_fewest():
     end at 60 and 120 ms. When L's class is the more urgent, it is not
     relegated for them: A is, and B makes it behind L (420 ms)."""
     pace = Pace(100, 0.060)
-    l, a, b = together(("L", 600, 400.0), ("A", 100, 410.0), ("B", 100, 430.0))
-    assert late_together([(0, l), (0, a), (0, b)], 0, pace) == {"L"}
-    assert late_together([(0, l), (1, a), (1, b)], 0, pace) == {"A"}
-    assert late_together([(0, l), (0, a)], 0, Pace(100, 0.050)) == set()  # 350 and 400 ms: both on time
+    long, a, b = together(("L", 600, 400.0), ("A", 100, 410.0), ("B", 100, 430.0))
+    assert late_together([(0, long), (0, a), (0, b)], 0, pace) == {"L"}
+    assert late_together([(0, long), (1, a), (1, b)], 0, pace) == {"A"}
+    assert late_together([(0, long), (0, a)], 0, Pace(100, 0.050)) == set()  # 350 and 400 ms: both on time
 
 
 def test_the_scheduler_relegates_a_prompt_that_would_make_others_late():
