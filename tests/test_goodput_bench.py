@@ -166,3 +166,16 @@ def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tm
     ratios = f"| {found['stallfree-default'] / vllm:.2f} | {found['stallfree-both'] / vllm:.2f} |"
     assert "default / vLLM" in md and ratios in md
     assert base.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_first_rate_given_starts_every_goodput_search_there():
+    """``--first``: every configuration's search starts at that rate, else at the
+    simulator's goodput capacity for it (never below 0.05 req/s)."""
+    from bench.serving.capacity import TRACE_SPECS
+    from bench.serving.goodput import plan
+
+    trace = TRACE_SPECS["azure"]
+    settings = {"stallfree-both": {"tbt_slo_ms": 150.0}, "vllm-64": None}
+    simulated = {trace.name: {"stallfree-both": {"capacity_req_per_s": 3.0}, "vllm-64": {"capacity_req_per_s": 0.0}}}
+    assert [r.search.next_rate() for r in plan([trace], settings, simulated, 5, 6.0)] == [6.0, 6.0]
+    assert [r.search.next_rate() for r in plan([trace], settings, simulated, 5)] == [3.0, 0.05]

@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="both engines; auto: stallfree's choice on this CPU")
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads, each engine (the profile's too)")
+    ap.add_argument("--first", type=float, help="every search's first rate (default: the simulator's prediction)")
     ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all five)")
     ap.add_argument(
         "--shed-check-vs",
@@ -195,7 +196,7 @@ def main() -> None:
         doc["configs"] = settings
         doc["simulated"] = predict(traces, rows, settings, slo_ms, profile.cost_model, args.vllm_budget, args.requests)
         write(base, doc)
-        runs = plan(traces, settings, doc["simulated"], args.max_trials)
+        runs = plan(traces, settings, doc["simulated"], args.max_trials, args.first)
         trial = Trials(
             rows, {t.name: t for t in traces}, tokenizer, sf.url, engines, args.requests, args.warmup, slo_ms
         )
@@ -288,12 +289,13 @@ def plan(
     settings: dict[str, dict[str, Any] | None],
     simulated: dict[str, dict[str, dict[str, Any]]],
     max_trials: int,
+    first_rate: float | None = None,
 ) -> list[Run]:
-    """Every search, each from the simulator's goodput capacity for its configuration."""
+    """Every search, each from the simulator's goodput capacity for its configuration (or ``first_rate``)."""
     runs = []
     for t in traces:
         for engine, config in settings.items():
-            first = max(simulated[t.name][engine]["capacity_req_per_s"], 0.05)
+            first = first_rate or max(simulated[t.name][engine]["capacity_req_per_s"], 0.05)
             found = Search(GOODPUT, first, TOLERANCE, max_trials, lowest=first / 16)
             runs.append(Run(engine, t.name, found, config))
     return runs
