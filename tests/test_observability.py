@@ -65,7 +65,13 @@ async def test_span_tree_phases_and_parent_links(monkeypatch):
             json={"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         )
         assert r.status_code == 200
-        await asyncio.to_thread(receiver.wait_for, lambda s: sum(x.name == "decode" for x in s) >= 2)
+
+        def both_exported(spans: list) -> bool:
+            """Both requests' decode spans and their SERVER roots (a root ends, and is exported, after its decode)."""
+            roots = {attrs(x).get("gen_ai.operation.name") for x in spans if x.kind == 2}
+            return sum(x.name == "decode" for x in spans) >= 2 and {"text_completion", "chat"} <= roots
+
+        await asyncio.to_thread(receiver.wait_for, both_exported)
         roots = {attrs(s)["gen_ai.operation.name"]: s for s in receiver.spans if s.kind == 2}  # SERVER
         ws_root, chat_root = roots["text_completion"], roots["chat"]
         assert ws_root.name == "text_completion smol" and chat_root.name == "chat smol"
