@@ -476,12 +476,17 @@ class Scheduler:
                 batch.run_over("floor")
             if n == 0:
                 break
-            if n < pending and partial >= cfg.max_partial_prefills:
-                if make_room is None or not make_room(req):
-                    continue  # would stay partial; a prompt that finishes in this chunk may still go
-                partial -= 1
+            need_room = n < pending and partial >= cfg.max_partial_prefills
+            if need_room and make_room is None:
+                continue  # would stay partial; a prompt that finishes in this chunk may still go
             footprint = self._footprint(req)
             found = self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)
+            if need_room and found is not None:  # a partial yields its slot only to a prompt KV admits
+                assert make_room is not None
+                if not make_room(req):
+                    self.kv.free(req)
+                    continue
+                partial -= 1
             if not self._admitted(req, found):
                 break  # head of line waits for KV room rather than being overtaken forever
             if req.num_preemptions == 0:
