@@ -358,16 +358,13 @@ class Scheduler:
             elif admitting:
                 later = [r for is_partial, rs in runs[i + 1 :] if is_partial for r in rs]
 
-                def make_room(req: Request, later: list[Request] = later) -> bool:
-                    """The slot of the last partial prefill after req, none more urgent in priority."""
-                    yielding = [r for r in later if r.priority >= req.priority]
-                    if not yielding or slack(req) < 0:
-                        return False
-                    later.remove(yielding[-1])
-                    self._preempt(yielding[-1], batch.yielded, first=True)
-                    return True
+                def room_for(req: Request, later: list[Request] = later) -> Request | None:
+                    """The partial prefill to yield its slot to req: the last after req still
+                    prefilling, none more urgent in priority (None: req may not take one)."""
+                    yielding = [r for r in later if r.priority >= req.priority and r.status == RequestStatus.PREFILLING]
+                    return yielding[-1] if yielding and slack(req) >= 0 else None
 
-                left = self._admit(batch, left, shared, run, make_room=make_room)
+                left = self._admit(batch, left, shared, run, room_for=room_for)
                 admitting = run[-1].status != RequestStatus.WAITING
         return left + held
 
@@ -447,11 +444,11 @@ class Scheduler:
         left: int,
         rule: ChunkRule,
         ordered: list[Request],
-        make_room: Callable[[Request], bool] | None = None,
+        room_for: Callable[[Request], Request | None] | None = None,
     ) -> int:
         """Pass 3: admit from ``ordered`` (waiting requests in policy order).
-        ``make_room(req)``: frees a partial-prefill slot for req when all are
-        held, if it may (True: one was freed)."""
+        ``room_for(req)``: the partial prefill that yields its slot to req when
+        all are held (None: none may); it yields only once req is admitted."""
         cfg = self.config
         if not ordered or left == 0:
             return left
@@ -476,19 +473,18 @@ class Scheduler:
                 batch.run_over("floor")
             if n == 0:
                 break
-            need_room = n < pending and partial >= cfg.max_partial_prefills
-            if need_room and make_room is None:
-                continue  # would stay partial; a prompt that finishes in this chunk may still go
+            yielding = None
+            if n < pending and partial >= cfg.max_partial_prefills:
+                yielding = room_for(req) if room_for is not None else None
+                if yielding is None:
+                    continue  # would stay partial; a prompt that finishes in this chunk may still go
             footprint = self._footprint(req)
             found = self.kv.share(req, head, footprint) if head is not None else self.kv.admit(req, footprint)
-            if need_room and found is not None:  # a partial yields its slot only to a prompt KV admits
-                assert make_room is not None
-                if not make_room(req):
-                    self.kv.free(req)
-                    continue
-                partial -= 1
             if not self._admitted(req, found):
                 break  # head of line waits for KV room rather than being overtaken forever
+            if yielding is not None:  # only for a prompt admitted
+                self._preempt(yielding, batch.yielded, first=True)
+                partial -= 1
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
             self._set_status(req, RequestStatus.PREFILLING)
