@@ -166,12 +166,18 @@ def paged_attention(
     return _impl(q).paged_attention(q, k_cache, v_cache, meta, scale)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest entry, the first on ties (the greedy sampler's choice)."""
+    return _impl(logits).argmax(logits)
+
+
 __all__ = [
     "AttentionMeta",
     "Linear",
     "Quantized",
     "ScreenedHead",
     "add_rms_norm",
+    "argmax",
     "backend",
     "build_attention_meta",
     "cpu_path",

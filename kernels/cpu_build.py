@@ -34,6 +34,7 @@ log = logging.getLogger("stallfree.kernels")
 SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
+        "argmax.cpp",
         "attention.cpp",
         "brgemm.cpp",
         "dot_gemm.cpp",

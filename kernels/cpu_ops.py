@@ -124,3 +124,10 @@ def paged_attention(
     if q.dtype not in _DTYPES or q.shape[-1] not in _HEAD_DIMS or q.shape[1] // k_cache.shape[2] > 16:
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
     return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, scale)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest entry (kernels/csrc/argmax.cpp); other dtypes and layouts the reference."""
+    if not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1 and logits.shape[1] > 0):
+        return reference.argmax(logits)
+    return ops.argmax_rows(logits)

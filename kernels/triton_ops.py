@@ -230,3 +230,7 @@ def paged_attention(
 
 def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)  # torch's CUDA reduction: the first index on ties, as the reference

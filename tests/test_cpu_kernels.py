@@ -205,6 +205,38 @@ def test_write_kv_matches_the_reference(ops, dtype):
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_is_the_first_largest_entry_as_torchs_max(ops, threads):
+    """Random rows, ties inside a lane, across lanes and in the tail, rows of
+    -inf, NaN (the first NaN, as torch's max propagates it), widths under a
+    vector and with a tail, rows strided as a slice of a wider tensor."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        for n in (1, 5, 16, 63, 64, 65, 200, 49152):
+            x = torch.randn(9, n + 3, generator=gen)[:, :n]  # rows n + 3 apart
+            assert x.stride(1) == 1 and x.stride(0) == n + 3
+            x[1] = 0.0  # all tied: index 0
+            x[2] = -float("inf")
+            x[3, n // 2 :] = 7.0  # a run of the largest: its first index
+            x[4, -1] = x[4, 0] = 9.0  # the first and the last
+            x[5, n // 3] = float("nan")
+            x[6, -1] = 11.0  # only in the tail
+            x[7, :] = torch.randint(0, 3, (n,), generator=gen).float()  # many ties at 2
+            want = x.max(dim=-1).indices
+            got = ops.argmax(x)
+            assert got.dtype == torch.long and torch.equal(got, want), (n, got, want)
+        assert torch.equal(ops.argmax(torch.zeros(0, 8)), torch.zeros(0, dtype=torch.long))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_argmax_of_other_dtypes_is_the_references(ops):
+    x = torch.randn(3, 40).bfloat16()
+    assert torch.equal(ops.argmax(x), reference.argmax(x))
+
+
 def test_rms_norm_leaves_its_input_alone(ops):
     x = torch.randn(3, 64)
     before = x.clone()
@@ -449,6 +481,7 @@ def test_kernels_built_for_a_lesser_isa_match_the_reference(isa):
     tests = [
         "tests/test_cpu_kernels.py::test_paged_attention_matches_the_reference",
         "tests/test_cpu_kernels.py::test_elementwise_ops_match_the_reference",
+        "tests/test_cpu_kernels.py::test_argmax_is_the_first_largest_entry_as_torchs_max",
         "tests/test_cpu_kernels.py::test_the_tiles_run_on_brgemm_where_the_cpu_has_it",
         "tests/test_compact_gemm.py",
         "tests/test_dot_gemm.py",

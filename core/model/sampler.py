@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from stallfree import kernels
 from stallfree.core import faults
 from stallfree.core.model.grammar import Grammars
 from stallfree.core.model.token_counts import TokenCounts
@@ -139,9 +140,8 @@ def penalize(
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's most likely token, the first on ties: ``max`` rather than
-    ``argmax``, 3x faster on the CPU for 32 rows of 49,152 (same answer)."""
-    return logits.max(dim=-1).indices
+    """Each row's most likely token, the first on ties (``kernels.argmax``)."""
+    return kernels.argmax(logits)
 
 
 # Random rows draw among the most likely tokens only, when the top-k, min-p
