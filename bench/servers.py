@@ -145,3 +145,32 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+def busy_cores(window_s: float) -> float:
+    """Cores the whole machine kept busy over the next ``window_s`` seconds
+    (/proc/stat: user, nice, system, irq and softirq time; not the hypervisor's steal)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+        busy = user + nice + system + irq + softirq
+        return busy, busy + idle + iowait + steal
+
+    before = sample()
+    time.sleep(window_s)
+    after = sample()
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total * (os.cpu_count() or 1) if total else 0.0
+
+
+def wait_quiet(most_cores: float = 0.2, window_s: float = 0.5, timeout_s: float = 20.0) -> bool:
+    """Until the machine keeps fewer than ``most_cores`` busy over a window (True),
+    or ``timeout_s`` passes (False). vLLM's engine keeps a core busy for about a
+    second after its last request ends (0.96-1.02 cores over two half-seconds,
+    2-core Zen 4, 2 threads), and a run started then shared the machine with it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if busy_cores(window_s) < most_cores:
+            return True
+    return False

@@ -1,10 +1,13 @@
 """The busy neighbour of the capacity bench: it works while its block runs, then is gone."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
+from bench.servers import busy_cores, wait_quiet
 from bench.serving.neighbour import neighbour
 
 
@@ -24,6 +27,21 @@ def test_the_neighbour_works_its_share_and_stops():
             time.sleep(0.05)
         assert cpu_s(proc.pid) >= 0.2
     assert proc.returncode is not None  # terminated and reaped
+
+
+@pytest.mark.slow  # reads the whole machine's load: not beside another test worker
+def test_a_run_waits_for_the_machine_to_go_quiet():
+    """A process spinning on a core (as vLLM's engine does for a second after
+    its last request) keeps the machine from being quiet; once it is gone, the
+    wait ends."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert busy_cores(0.3) > 0.5
+        assert not wait_quiet(timeout_s=1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert wait_quiet(most_cores=0.5, timeout_s=20.0)
 
 
 def test_no_neighbour_at_zero_and_a_bad_duty_is_refused():

@@ -68,7 +68,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.servers import ROOT, VLLM, StallfreeServer, free_port, start_vllm, stop, wait_quiet
 from bench.serving.neighbour import neighbour
 from stallfree.core.analysis.capacity_search import RELAXED, SLO, STRICT, Search, Trial, search, trial_from
 from stallfree.core.analysis.online_cost import OnlineCost
@@ -526,6 +526,7 @@ class Trials:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
         started = time.perf_counter()
         window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
+        settle(self.engines)
         with neighbour(r.neighbour):
             results, summary = trial_summary(
                 self.engines, engine, window, self.tokenizer, self.warmup, r.search.slo.tbt_p99_ms
@@ -550,12 +551,10 @@ class Trials:
 def replay_trial(
     engines: dict[str, OpenAITarget], engine: str, window: list[TraceRequest], tokenizer: Tokenizer, warmup: float
 ) -> tuple[list[Result], list[Result], float | None]:
-    """One trial's requests through ``engine``'s OpenAI API once no engine is
-    still busy with an earlier one: every result, those judged (the first
-    ``warmup`` share left out), and the server's median queue wait from its histogram."""
+    """One trial's requests through ``engine``'s OpenAI API (after ``settle``):
+    every result, those judged (the first ``warmup`` share left out), and the
+    server's median queue wait from its histogram."""
     target = engines[engine]
-    for other in engines.values():
-        wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
     jobs = trace_jobs(window, WordPrompts(tokenizer, seed=int(time.time())))
     deadline_s = max(job.at_s for job in jobs) + DRAIN_S
     results, scheduling_delay_ms = replay_jobs(
@@ -593,6 +592,15 @@ def corrections(metrics_url: str) -> dict[str, float]:
             kind = line.split('kind="', 1)[1].split('"', 1)[0]
             out[kind] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def settle(engines: dict[str, OpenAITarget]) -> None:
+    """Before a trial: no engine still serving an earlier one, and the machine
+    quiet (vLLM busy-waits a second after its last request; ``wait_quiet``)."""
+    for other in engines.values():
+        wait_idle(other.base_url.removesuffix("/v1") + "/metrics")
+    if not wait_quiet():
+        print("the machine did not go quiet before this trial: something else is running", file=sys.stderr)
 
 
 def wait_idle(metrics_url: str, timeout_s: float = 120.0) -> None:

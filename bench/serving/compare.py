@@ -39,7 +39,7 @@ import httpx
 import torch
 
 from bench.record import OUT, dated, describe, machine, table
-from bench.servers import NO_TARGETS, VLLM, StallfreeServer, free_port, start_vllm, stop
+from bench.servers import NO_TARGETS, VLLM, StallfreeServer, free_port, start_vllm, stop, wait_quiet
 from stallfree.core.model.embedded import load_tokenizer
 from stallfree.core.model.model_runner import resolve_dtype
 from stallfree.loadtest.clients import OpenAITarget, StallfreeTarget
@@ -81,6 +81,10 @@ def decode_jobs(make: PromptMaker, streams: int) -> list[Arrival]:
 
 
 def run(target, jobs) -> tuple[dict, list]:
+    """One run once the machine is quiet: vLLM busy-waits a second after its
+    last request, which the other engine's next run would otherwise share."""
+    if not wait_quiet():
+        print("the machine did not go quiet before this run: something else is running", file=sys.stderr)
     results = asyncio.run(run_jobs(target, jobs))
     return {
         "all": summarize(results),
