@@ -134,6 +134,11 @@ def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return _impl(x).linear(layer, x)
 
 
+def linear_silu_mul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) for a layer made ``gated`` (gate rows, then up rows)."""
+    return _impl(x).linear_silu_mul(layer, x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _impl(x).rms_norm(x, weight, eps)
 
@@ -183,6 +188,7 @@ __all__ = [
     "cpu_path",
     "linear",
     "linear_int8_available",
+    "linear_silu_mul",
     "native_cpu",
     "paged_attention",
     "paths",

@@ -47,6 +47,13 @@ def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+def linear_silu_mul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A gated layer on the dot-product kernel in one pass (``gemm_dot_silu``); else the two ops."""
+    if layer.gated and layer.dot is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+        return ops.gemm_dot_silu(x, layer.dot)
+    return silu_mul(linear(layer, x))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float().contiguous()
     if not _rows_ok(xf):

@@ -25,6 +25,12 @@ columns over a copy packed in VNNI pairs (``gemm_vnni``: nothing between the
 weights and the tiles), larger ones oneDNN's prepacked matmul. Elsewhere
 bf16 goes to oneDNN.
 
+A layer made ``gated`` (the MLP's gate and up projections, stacked) on the
+dot-product kernel keeps its copy in blocks of 16 gate and the 16 matching up
+columns, so that ``kernels.linear_silu_mul`` gives silu(gate) * up straight from
+each tile's sums (``gemm_dot_silu``): the gate/up product is never written
+and read back.
+
 A layer made with ``float_out`` (the ones whose output joins the float32
 residual stream) returns float32 products of its narrower operands, never
 rounded to bf16: by the dot-product kernel, or oneDNN's brgemm (AMX,
@@ -59,8 +65,11 @@ class Linear:
         quantized: Quantized | None = None,
         float_out: bool = False,
         int8: bool = False,
+        gated: bool = False,
     ):
         self.weight, self.bias = weight, bias
+        # gate rows then up rows, for linear_silu_mul: the dot copy interleaves them (pack_dot_gated)
+        self.gated = False
         self.packed: torch.Tensor | None = None
         self.compact: CompactWeight | None = None
         self.float_out = float_out and weight.dtype != torch.float32
@@ -81,7 +90,9 @@ class Linear:
             if n % 64 == 0 and k % 2 == 0 and _has_bf16_brgemm():
                 self.vnni = torch.ops.stallfree.pack_bf16(weight)
         elif bf16 and n % 32 == 0 and k % 2 == 0 and dot_available():
-            self.dot = torch.ops.stallfree.pack_dot(weight)
+            self.gated = gated and bias is None
+            pack = torch.ops.stallfree.pack_dot_gated if self.gated else torch.ops.stallfree.pack_dot
+            self.dot = pack(weight)
             return  # every batch on the dot kernel
         if weight.dtype in _PACKED and _has_mkldnn_linear():
             try:
@@ -97,7 +108,10 @@ class Linear:
         if self.int8 is not None and x.dtype == torch.float32 and x.shape[0] > self.COMPACT_ROWS:
             return torch.ops.stallfree.gemm_int8(x.contiguous(), *self.int8, self.bias)
         if self.dot is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
-            return torch.ops.stallfree.gemm_dot(x, self.dot, self.bias, self.float_out)
+            y = torch.ops.stallfree.gemm_dot(x, self.dot, self.bias, self.float_out)
+            if self.gated:  # columns in blocks of 16 gate then 16 up: back to all gate, then all up
+                y = y.view(y.shape[0], -1, 2, 16).transpose(1, 2).reshape(y.shape[0], -1)
+            return y
         vnni = self.vnni is not None and x.dtype == torch.bfloat16 and x.dim() == 2
         if vnni and (self.float_out or x.shape[0] <= self.VNNI_ROWS):  # float32 out: only this gives it unrounded
             return torch.ops.stallfree.gemm_vnni(x, self.vnni, self.weight.shape[0], self.bias, self.float_out)

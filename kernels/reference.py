@@ -152,6 +152,11 @@ def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+def linear_silu_mul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) of a layer whose weight stacks gate rows then up rows."""
+    return silu_mul(linear(layer, x))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token, the first on ties: ``max`` rather than
     ``argmax``, 3x faster on the CPU for 32 rows of 49,152 (same answer)."""

@@ -232,5 +232,9 @@ def linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+def linear_silu_mul(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    return silu_mul(linear(layer, x))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)  # torch's CUDA reduction: the first index on ties, as the reference

@@ -68,6 +68,43 @@ def test_big_batches_cross_row_panels():
     assert torch.allclose(y.double(), product(x, w, None), rtol=1e-4, atol=1e-3)
 
 
+def silu_mul_of(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@needs_dot
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 60),
+    f_blocks=st.integers(1, 6),  # 16 outputs a block
+    k=st.integers(1, 150).map(lambda h: 2 * h),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_gated_product_is_silu_of_the_gate_times_the_up(m, f_blocks, k, strided, seed):
+    """gemm_dot_silu over pack_dot_gated's copy: silu(x W_gate^T) * (x W_up^T)
+    from float32 sums, rounded once to bf16, against float64 of the same bf16
+    values; and the gated layer's plain product gives gate then up columns."""
+    gen = torch.Generator().manual_seed(seed)
+    f = 16 * f_blocks
+    wide = torch.randn(m, k + 6, generator=gen).bfloat16()
+    x = wide[:, 3 : 3 + k] if strided else wide[:, :k].contiguous()
+    w = torch.randn(2 * f, k, generator=gen).bfloat16()
+    y = torch.ops.stallfree.gemm_dot_silu(x, torch.ops.stallfree.pack_dot_gated(w))
+    assert y.shape == (m, f) and y.dtype == torch.bfloat16
+    want = silu_mul_of(product(x, w, None))
+    # the sums' error (k 2^-23 of the terms' scale) carried through silu and the product, then one rounding
+    scale = x.double().abs() @ w.double().abs().T
+    gate_err, up_err = (scale * k * 2**-23).chunk(2, dim=-1)
+    gate, up = product(x, w, None).chunk(2, dim=-1)
+    tol = 1.2 * (gate_err * up.abs() + (gate.abs() + gate_err) * up_err) + want.abs() * 2**-8 + 1e-30
+    assert ((y.double() - want).abs() <= tol).all()
+    layer = kernels.Linear(w, gated=True)
+    assert layer.gated and layer.dot is not None
+    assert torch.allclose(layer(x.contiguous()).double(), product(x, w, None), rtol=2**-7, atol=1e-3)
+
+
 @needs_dot
 def test_bad_shapes_are_refused():
     ops = torch.ops.stallfree
@@ -75,6 +112,10 @@ def test_bad_shapes_are_refused():
         ops.pack_dot(torch.randn(48, 64).bfloat16())
     with pytest.raises(RuntimeError, match="disagree on K"):
         ops.gemm_dot(torch.randn(4, 62).bfloat16(), ops.pack_dot(torch.randn(32, 64).bfloat16()), None, False)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.pack_dot_gated(torch.randn(48, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        ops.gemm_dot_silu(torch.randn(4, 62).bfloat16(), ops.pack_dot_gated(torch.randn(32, 64).bfloat16()))
 
 
 def test_bf16_layers_take_the_dot_kernel_where_it_runs():

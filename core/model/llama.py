@@ -71,6 +71,7 @@ class LlamaModel:
             as_dtype: torch.dtype = dtype,
             float_out: bool = False,
             body: bool = True,
+            gated: bool = False,
         ) -> kernels.Linear:
             """One layer over the named weights stacked by rows (fused QKV, gate/up)."""
             weight = w(names[0], as_dtype) if len(names) == 1 else torch.cat([w(n, as_dtype) for n in names])
@@ -78,7 +79,7 @@ class LlamaModel:
             kinds = {b.kind for b in blocks if b is not None}
             same = None not in blocks and len(kinds) == 1
             stacked = kernels.Quantized(kinds.pop(), torch.cat([b.blocks for b in blocks if b])) if same else None
-            return kernels.Linear(weight, bias, stacked, float_out, int8=int8 and body)
+            return kernels.Linear(weight, bias, stacked, float_out, int8=int8 and body, gated=gated)
 
         self.embed = w("model.embed_tokens.weight")
         # The head runs in float32 whatever the compute dtype: a greedy choice is
@@ -108,7 +109,7 @@ class LlamaModel:
                     # float32 outputs: they join the float32 residual stream unrounded
                     o=linear(p + "self_attn.o_proj.weight", float_out=True),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gated=True),
                     down=linear(p + "mlp.down_proj.weight", float_out=True),
                 )
             )
@@ -155,7 +156,7 @@ class LlamaModel:
             attn = kernels.paged_attention(q, k_cache[i], v_cache[i], meta, self.scale).to(x.dtype)
             h = kernels.linear(layer.o, attn.view(t, q_size))
             x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
-            h = kernels.linear(layer.down, kernels.silu_mul(kernels.linear(layer.gate_up, x)))
+            h = kernels.linear(layer.down, kernels.linear_silu_mul(layer.gate_up, x))
         assert residual is not None  # set by the first layer
         last = (residual + h.float())[logits_rows]
         return self._head(kernels.rms_norm(last, self.final_norm, eps), argmax_only)

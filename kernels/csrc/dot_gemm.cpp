@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "dot.h"
+#include "vec.h"
 
 namespace sf {
 namespace {
@@ -62,7 +63,33 @@ struct Layer {
     }
   }
 };
+
+// The gate and up projections in one: a block packed by pack_dot_gated holds
+// 16 gate columns and the 16 up columns of the same outputs, so the tile's two
+// accumulator vectors are gate and up of 16 outputs: y[R rows][o0, o0 + 16) =
+// silu(gate) * up, rounded once to bf16 (no gate_up tensor written and read back).
+template <int R>
+struct Gated {
+  static void run(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_pairs, int64_t o0, uint16_t* y,
+                  int64_t ldy) {
+    __m512 acc[R][2];
+    dot_tile<R>(x, lda, w, NB, k_pairs, acc);
+    for (int r = 0; r < R; ++r) {
+      const vf v = silu((vf)acc[r][0]) * (vf)acc[r][1];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + o0), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+    }
+  }
+};
 #endif
+
+// w [2F, K] bf16, gate rows then up rows -> pack_dot's layout of [2F, K] whose
+// block j holds gate rows [16j, 16j + 16) then up rows [16j, 16j + 16).
+at::Tensor pack_dot_gated(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % NB == 0, "w: [2F, K], F a multiple of 16");
+  const int64_t F = w.size(0) / 2, K = w.size(1);
+  const at::Tensor halves = w.contiguous().view({2, F / (NB / 2), NB / 2, K});
+  return pack_dot(halves.transpose(0, 1).reshape({2 * F, K}));
+}
 
 // y = x W^T + bias: bf16 (rounded once) or, with float_out, float32.
 at::Tensor gemm_dot(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -107,6 +134,39 @@ at::Tensor gemm_dot(const at::Tensor& x_in, const at::Tensor& packed, const c10:
   return y;
 }
 
+// silu(x W_gate^T) * (x W_up^T), bf16 [M, F], over pack_dot_gated's weight.
+at::Tensor gemm_dot_silu(const at::Tensor& x_in, const at::Tensor& packed) {
+  TORCH_CHECK(DOT, "gemm_dot_silu: this build has no AVX512-BF16 (kernels/cpu_build.py picks the avx512-bf16 ISA)");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x: bf16 [M, K]");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == NB && packed.size(3) == 2,
+              "packed: pack_dot_gated's [2F/32][K/2][32][2]");
+  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), blocks = packed.size(0), F = blocks * NB / 2;
+  TORCH_CHECK(K == 2 * K2, "x and the packed weight disagree on K");
+  at::Tensor y = at::empty({M, F}, x.options());
+#if defined(__AVX512BF16__)
+  const int64_t lda = x.stride(0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  static constexpr auto tiles = dot_tiles<Gated>(std::make_index_sequence<DOT_ROWS>{});
+  // gemm_dot's panels: equal rows, each panel's activations kept in L2 across the blocks
+  const int64_t most = std::max<int64_t>(DOT_ROWS, PANEL_BYTES / (2 * K) / DOT_ROWS * DOT_ROWS);
+  const int64_t panels = (M + most - 1) / most, panel = (M + panels - 1) / panels;
+  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / blocks, blk = i % blocks;
+      const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
+      dot_row_tiles(rows, [&](int64_t r, int n) {
+        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, blk * NB / 2, yp + (m0 + r) * F, F);
+      });
+    }
+  });
+#endif
+  return y;
+}
+
 }  // namespace
 }  // namespace sf
 
@@ -114,6 +174,10 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("dot_bf16", &sf::dot_bf16);
   m.def("pack_dot(Tensor w) -> Tensor");
   m.impl("pack_dot", c10::DispatchKey::CPU, &sf::pack_dot);
+  m.def("pack_dot_gated(Tensor w) -> Tensor");
+  m.impl("pack_dot_gated", c10::DispatchKey::CPU, &sf::pack_dot_gated);
+  m.def("gemm_dot_silu(Tensor x, Tensor packed) -> Tensor");
+  m.impl("gemm_dot_silu", c10::DispatchKey::CPU, &sf::gemm_dot_silu);
   m.def("gemm_dot(Tensor x, Tensor packed, Tensor? bias, bool float_out) -> Tensor");
   m.impl("gemm_dot", c10::DispatchKey::CPU, &sf::gemm_dot);
 }

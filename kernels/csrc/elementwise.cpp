@@ -75,27 +75,6 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   return out;
 }
 
-// 1 / x for x >= 1: with AVX-512 the 14-bit estimate and one Newton step
-// (relative error ~2^-27), a quarter of a division's time.
-inline vf reciprocal(vf x) {
-#if defined(__AVX512F__)
-  const vf r = (vf)_mm512_rcp14_ps((__m512)x);
-  return r * (2.f - x * r);
-#else
-  return 1.f / x;
-#endif
-}
-
-// a * sigmoid(a) = a / (1 + 2^(-a log2 e)), the power clamped to 2^126 (a
-// below -87: the product is a * ~1e-38, as the division's would be), on
-// vexp2's rounding and scaling instructions and the reciprocal above: fewer
-// instructions than vexp's and a division. Alone this measured level; the
-// bf16 loads and stores (vec.h) were where a 248-row call's time went.
-inline vf silu(vf a) {
-  const vf e = vexp2<6>(vmin(a * -1.44269504088896341f, splat(126.f)));
-  return a * reciprocal(1.f + e);
-}
-
 template <typename T>
 void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t F = out.size(1);
