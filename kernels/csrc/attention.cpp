@@ -450,19 +450,35 @@ template <typename T>
 constexpr int TILE_VECS_BRGEMM = std::is_same_v<T, float> ? 192 : 768;  // query vectors (rows x group) per work item
 
 // C[M][N] (+)= A[M][K] B[K][N], A and C row-major; a float32 B row-major
-// [K][N], a bf16 B in VNNI pairs [K/2][N][2]: one brgemm call either way.
+// [K][ldb], a bf16 B in VNNI pairs [K/2][ldb][2], the first N columns used:
+// one brgemm call either way.
 template <typename T>
-void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, float* C, int64_t ldc, bool add) {
+void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C, int64_t ldc,
+             bool add) {
   if constexpr (std::is_same_v<T, float>) {
-    at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, false);
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
   } else {
 #if defined(__AVX512BF16__)
     if (!amx_brgemm()) {
       const auto* a = reinterpret_cast<const uint16_t*>(A);
-      return dot_gemm_f32(M, N, K, a, lda, reinterpret_cast<const uint16_t*>(B), C, ldc, add);
+      return dot_gemm_f32(M, N, K, a, lda, reinterpret_cast<const uint16_t*>(B), ldb, C, ldc, add);
     }
 #endif
-    at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, true);
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
+  }
+}
+
+// Keys of a tile the products run over: all TKB where oneDNN generates code
+// per shape (one shape a tile, the last zero-padded), else the tile's n keys
+// rounded up to the dot kernel's 32 columns: a 64-token prompt's one tile of
+// 128 computed twice its keys (scratch: 8 such prompts' attention ran at 29
+// GFLOP/s on one Zen 4 thread, 122 for one prompt of 512).
+template <typename T>
+int tile_keys(int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return TKB;
+  } else {
+    return amx_brgemm() ? TKB : (n + DOT_COLS - 1) / DOT_COLS * DOT_COLS;
   }
 }
 
@@ -608,8 +624,10 @@ float probabilities(const float* s, float log2_scale, float hi, T* p, int cols =
 
 // The same tile as attend_tile, its products by brgemm: S = Q K^T over a KV
 // tile gathered transposed, online softmax per query vector in float32, then
-// O = O * corr + P V. Shapes stay fixed per tile (M x TKB x D and M x D x TKB,
-// the last tile zero-padded), so oneDNN generates each micro-kernel once.
+// O = O * corr + P V. Through oneDNN shapes stay fixed per tile (M x TKB x D
+// and M x D x TKB, the last tile zero-padded), so it generates each
+// micro-kernel once; on the dot kernel the last tile runs only its keys
+// (``tile_keys``).
 template <typename T, int D>
 void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int first_pos, const T* kc, const T* vc,
                         const Cache& c, float scale, T* out, int64_t out_row_stride) {
@@ -635,7 +653,8 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
     // so that oneDNN sees few distinct shapes (it generates code per shape).
     const int r_begin = std::max(0, t0 - first_pos);
     const int m0 = std::min(r_begin * G, M) / 64 * 64;
-    product<T>(M - m0, TKB, D, &qbuf[m0 * D], D, kt, &s[m0 * TKB], TKB, false);
+    const int cols = tile_keys<T>(n);
+    product<T>(M - m0, cols, D, &qbuf[m0 * D], D, kt, TKB, &s[m0 * TKB], TKB, false);
     // Online softmax in log2 units (scores times scale * log2 e), so each
     // probability is one power of two: first every row's new running max,
     // then all rows' rescaling factors at once, then the probabilities.
@@ -646,9 +665,9 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
         mnew[m] = mx[m];
         continue;
       }
-      std::fill(sr + limit[m], sr + TKB, NEG_INF);  // causal and past the tile's end
+      std::fill(sr + limit[m], sr + cols, NEG_INF);  // causal and past the tile's end
       vf mv = splat(NEG_INF);
-      for (int t = 0; t < TKB; t += W) mv = vmax(mv, load(sr + t));
+      for (int t = 0; t < cols; t += W) mv = vmax(mv, load(sr + t));
       mnew[m] = std::max(mx[m], hmax(mv) * log2_scale);
     }
     for (int m = m0; m < M; m += W) {  // corr = 2^(old max - new max); 0 for the first keys a row sees
@@ -660,17 +679,17 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
       const float* sr = &s[static_cast<size_t>(m) * TKB];
       T* pr = &pbuf[static_cast<size_t>(m) * TKB];
       if (limit[m] == 0) {
-        std::memset(static_cast<void*>(pr), 0, TKB * sizeof(T));  // zero in float32 and bf16
+        std::memset(static_cast<void*>(pr), 0, cols * sizeof(T));  // zero in float32 and bf16
         continue;
       }
-      sum[m] = sum[m] * corr[m] + probabilities(sr, log2_scale, mnew[m], pr);
+      sum[m] = sum[m] * corr[m] + probabilities(sr, log2_scale, mnew[m], pr, cols);
       if (corr[m] != 1.f) {
         float* om = &o[static_cast<size_t>(m) * D];
         const vf k = splat(corr[m]);
         for (int i = 0; i < D; i += W) store(om + i, load(om + i) * k);
       }
     }
-    product<T>(M - m0, D, TKB, &pbuf[m0 * TKB], TKB, vt, &o[m0 * D], D, true);
+    product<T>(M - m0, D, cols, &pbuf[m0 * TKB], TKB, vt, D, &o[m0 * D], D, true);
   }
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) {

@@ -89,13 +89,14 @@ struct DotF32 {
 };
 
 // C[M][N] (+)= A[M][K] B[K][N] with A bf16 row-major, B bf16 in pairs along
-// K ([K/2][N][2]), C float32 row-major; N a multiple of 32, K even.
+// K ([K/2][ldb][2], the first N columns used), C float32 row-major; N a
+// multiple of 32, K even.
 inline void dot_gemm_f32(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
-                         float* c, int64_t ldc, bool add) {
+                         int64_t ldb, float* c, int64_t ldc, bool add) {
   static constexpr auto tiles = dot_tiles<DotF32>(std::make_index_sequence<DOT_ROWS>{});
   for (int64_t n0 = 0; n0 < N; n0 += DOT_COLS)
     dot_row_tiles(M, [&](int64_t r, int n) {
-      tiles[n - 1](a + r * lda, lda, b + 2 * n0, N, K / 2, c + r * ldc + n0, ldc, add);
+      tiles[n - 1](a + r * lda, lda, b + 2 * n0, ldb, K / 2, c + r * ldc + n0, ldc, add);
     });
 }
 #endif

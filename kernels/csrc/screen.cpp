@@ -71,7 +71,8 @@ void block_bounds(const float* l, int64_t V, int64_t b, int64_t r0, int64_t r1, 
 void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t b, int64_t m0, int64_t mb, float* l,
                int64_t V) {
   for (int64_t blk = b * NBLK / DOT_COLS; blk < (b + 1) * NBLK / DOT_COLS; ++blk)
-    dot_gemm_f32(mb, DOT_COLS, K, x + m0 * K, K, w + blk * K * DOT_COLS, l + m0 * V + blk * DOT_COLS, V, false);
+    dot_gemm_f32(mb, DOT_COLS, K, x + m0 * K, K, w + blk * K * DOT_COLS, DOT_COLS, l + m0 * V + blk * DOT_COLS, V,
+                 false);
 }
 #endif
 
