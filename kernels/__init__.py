@@ -97,7 +97,7 @@ def paths(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, str]:
     if dtype == torch.bfloat16 and amx:
         gemm = f"one brgemm call a weight block (AMX) up to {Linear.VNNI_ROWS} rows, oneDNN (AMX) beyond"
     elif dtype == torch.bfloat16 and dot_available():
-        gemm = "vdpbf16ps (dot_gemm)"
+        gemm = "vdpbf16ps (dot_gemm; the MLP's gate and up give silu(gate) * up from its tiles)"
     elif dtype == torch.bfloat16:
         gemm = "oneDNN"
     else:
