@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <utility>
+
 #include "dot.h"
 #include "vec.h"
 
@@ -26,6 +28,16 @@ constexpr int64_t NB = DOT_COLS;            // output columns per packed block
 constexpr int64_t PANEL_BYTES = 256 << 10;  // activation rows kept in L2 across the column blocks
 
 bool dot_bf16() { return DOT; }
+
+// How M rows of K bf16 go in panels: (how many, rows each). Equal rows, none
+// over PANEL_BYTES: a short last panel left the thread that got it idle (512
+// rows of K = 576 as 224, 224 and 64 ran 1.53x faster on 2 threads than on 1;
+// equal thirds, ~1.9x).
+std::pair<int64_t, int64_t> row_panels(int64_t M, int64_t K) {
+  const int64_t most = std::max<int64_t>(DOT_ROWS, PANEL_BYTES / (2 * K) / DOT_ROWS * DOT_ROWS);
+  const int64_t panels = (M + most - 1) / most;
+  return {panels, (M + panels - 1) / panels};
+}
 
 // w [N, K] bf16 -> [N/32][K/2][32][2]: column n's weights k, k+1 side by side.
 at::Tensor pack_dot(const at::Tensor& w) {
@@ -115,11 +127,8 @@ at::Tensor gemm_dot(const at::Tensor& x_in, const at::Tensor& packed, const c10:
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t esize = float_out ? 4 : 2;
   static constexpr auto tiles = dot_tiles<Layer>(std::make_index_sequence<DOT_ROWS>{});
-  // Panels of equal rows, none over PANEL_BYTES: a short last panel left the
-  // thread that got it idle (512 rows of K = 576 as 224, 224 and 64 ran 1.53x
-  // faster on 2 threads than on 1; equal thirds, ~1.9x).
-  const int64_t most = std::max<int64_t>(DOT_ROWS, PANEL_BYTES / (2 * K) / DOT_ROWS * DOT_ROWS);
-  const int64_t panels = (M + most - 1) / most, panel = (M + panels - 1) / panels, blocks = N / NB;
+  const std::pair<int64_t, int64_t> split = row_panels(M, K);
+  const int64_t panels = split.first, panel = split.second, blocks = N / NB;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t p = i / blocks, blk = i % blocks, n0 = blk * NB;
@@ -151,9 +160,8 @@ at::Tensor gemm_dot_silu(const at::Tensor& x_in, const at::Tensor& packed) {
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   static constexpr auto tiles = dot_tiles<Gated>(std::make_index_sequence<DOT_ROWS>{});
-  // gemm_dot's panels: equal rows, each panel's activations kept in L2 across the blocks
-  const int64_t most = std::max<int64_t>(DOT_ROWS, PANEL_BYTES / (2 * K) / DOT_ROWS * DOT_ROWS);
-  const int64_t panels = (M + most - 1) / most, panel = (M + panels - 1) / panels;
+  const std::pair<int64_t, int64_t> split = row_panels(M, K);
+  const int64_t panels = split.first, panel = split.second;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t p = i / blocks, blk = i % blocks;
