@@ -166,11 +166,13 @@ def busy_cores(window_s: float) -> float:
 
 def wait_quiet(most_cores: float = 0.2, window_s: float = 0.5, timeout_s: float = 20.0) -> bool:
     """Until the machine keeps fewer than ``most_cores`` busy over a window (True),
-    or ``timeout_s`` passes (False). vLLM's engine keeps a core busy for about a
-    second after its last request ends (0.96-1.02 cores over two half-seconds,
-    2-core Zen 4, 2 threads), and a run started then shared the machine with it."""
+    or ``timeout_s`` passes (False, said on stderr). vLLM's engine keeps a core
+    busy for about a second after its last request ends (0.96-1.02 cores over
+    two half-seconds, 2-core Zen 4, 2 threads), and a run started then shared
+    the machine with it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if busy_cores(window_s) < most_cores:
             return True
+    print(f"the machine did not go quiet in {timeout_s:g} s: something else is running", file=sys.stderr)
     return False

@@ -325,9 +325,9 @@ class Trials:
         engine = "vllm" if r.config is None else "stallfree"
         if r.config is not None:
             httpx.put(self.sf_url + "/api/config", json=r.config, timeout=30).raise_for_status()
+        settle(self.engines)
         started = time.perf_counter()
         window = replay(self.rows[r.trace], self.specs[r.trace].at(rate, self.count))
-        settle(self.engines)
         results, measured, scheduling_delay_ms = replay_trial(self.engines, engine, window, self.tokenizer, self.warmup)
         metrics = self.engines[engine].base_url.removesuffix("/v1") + "/metrics"
         summary = summarize(measured, tbt_slo_ms=self.slo_ms, ttft_slo_ms=TTFT_SLO_MS)
