@@ -114,8 +114,9 @@ def test_bf16_decodes_of_every_length_match_the_reference(ops, kind, block_size,
 def test_a_chunk_whose_later_keys_score_far_higher_matches_the_reference(ops, kind):
     """Keys whose scores grow along the sequence: each query vector's maximum
     passes its first KV tile's by more than 2^8 (log2 units) in a later tile,
-    which makes the AMX tiles rescale (their reference maximum otherwise
-    stands); bf16, heads of 64, a chunk of 100 after 300 cached tokens."""
+    which makes the AMX and dot-product tiles rescale (their reference
+    maximum otherwise stands); bf16, heads of 64, a chunk of 100 after 300
+    cached tokens."""
     torch.manual_seed(5)
     heads, kv_heads, dim, bs, prefix, new = 9, 3, 64, 16, 300, 100
     nblocks = -(-(prefix + new) // bs)

@@ -17,8 +17,8 @@
 // tile's two products (Q K^T and P V) go through it instead: the hand-written
 // outer product reached a fraction of the FMA peak (bench.kernels.attention_kernels).
 // bf16 without AMX (AVX512-BF16 only: AMD Zen 4) has no oneDNN brgemm in
-// ATen; there the same tiles' products run on the dot-product kernel (dot.h)
-// in the same layouts.
+// ATen; there a tile runs on the dot-product kernel (dot.h), a register
+// tile's query vectors at a time (attend_tile_dot).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -450,36 +450,10 @@ template <typename T>
 constexpr int TILE_VECS_BRGEMM = std::is_same_v<T, float> ? 192 : 768;  // query vectors (rows x group) per work item
 
 // C[M][N] (+)= A[M][K] B[K][N], A and C row-major; a float32 B row-major
-// [K][ldb], a bf16 B in VNNI pairs [K/2][ldb][2], the first N columns used:
-// one brgemm call either way.
+// [K][N], a bf16 B in VNNI pairs [K/2][N][2]: one brgemm call either way.
 template <typename T>
-void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C, int64_t ldc,
-             bool add) {
-  if constexpr (std::is_same_v<T, float>) {
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
-  } else {
-#if defined(__AVX512BF16__)
-    if (!amx_brgemm()) {
-      const auto* a = reinterpret_cast<const uint16_t*>(A);
-      return dot_gemm_f32(M, N, K, a, lda, reinterpret_cast<const uint16_t*>(B), ldb, C, ldc, add);
-    }
-#endif
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
-  }
-}
-
-// Keys of a tile the products run over: all TKB where oneDNN generates code
-// per shape (one shape a tile, the last zero-padded), else the tile's n keys
-// rounded up to the dot kernel's 32 columns: a 64-token prompt's one tile of
-// 128 computed twice its keys (scratch: 8 such prompts' attention ran at 29
-// GFLOP/s on one Zen 4 thread, 122 for one prompt of 512).
-template <typename T>
-int tile_keys(int n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return TKB;
-  } else {
-    return amx_brgemm() ? TKB : (n + DOT_COLS - 1) / DOT_COLS * DOT_COLS;
-  }
+void product(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, float* C, int64_t ldc, bool add) {
+  at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, A, B, C, !std::is_same_v<T, float>);
 }
 
 #if defined(__AVX512F__)
@@ -624,10 +598,8 @@ float probabilities(const float* s, float log2_scale, float hi, T* p, int cols =
 
 // The same tile as attend_tile, its products by brgemm: S = Q K^T over a KV
 // tile gathered transposed, online softmax per query vector in float32, then
-// O = O * corr + P V. Through oneDNN shapes stay fixed per tile (M x TKB x D
-// and M x D x TKB, the last tile zero-padded), so it generates each
-// micro-kernel once; on the dot kernel the last tile runs only its keys
-// (``tile_keys``).
+// O = O * corr + P V. Shapes stay fixed per tile (M x TKB x D and M x D x
+// TKB, the last tile zero-padded), so oneDNN generates each micro-kernel once.
 template <typename T, int D>
 void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int first_pos, const T* kc, const T* vc,
                         const Cache& c, float scale, T* out, int64_t out_row_stride) {
@@ -653,8 +625,7 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
     // so that oneDNN sees few distinct shapes (it generates code per shape).
     const int r_begin = std::max(0, t0 - first_pos);
     const int m0 = std::min(r_begin * G, M) / 64 * 64;
-    const int cols = tile_keys<T>(n);
-    product<T>(M - m0, cols, D, &qbuf[m0 * D], D, kt, TKB, &s[m0 * TKB], TKB, false);
+    product<T>(M - m0, TKB, D, &qbuf[m0 * D], D, kt, &s[m0 * TKB], TKB, false);
     // Online softmax in log2 units (scores times scale * log2 e), so each
     // probability is one power of two: first every row's new running max,
     // then all rows' rescaling factors at once, then the probabilities.
@@ -665,9 +636,9 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
         mnew[m] = mx[m];
         continue;
       }
-      std::fill(sr + limit[m], sr + cols, NEG_INF);  // causal and past the tile's end
+      std::fill(sr + limit[m], sr + TKB, NEG_INF);  // causal and past the tile's end
       vf mv = splat(NEG_INF);
-      for (int t = 0; t < cols; t += W) mv = vmax(mv, load(sr + t));
+      for (int t = 0; t < TKB; t += W) mv = vmax(mv, load(sr + t));
       mnew[m] = std::max(mx[m], hmax(mv) * log2_scale);
     }
     for (int m = m0; m < M; m += W) {  // corr = 2^(old max - new max); 0 for the first keys a row sees
@@ -679,17 +650,17 @@ void attend_tile_brgemm(const T* q, int64_t q_row_stride, int G, int rows, int f
       const float* sr = &s[static_cast<size_t>(m) * TKB];
       T* pr = &pbuf[static_cast<size_t>(m) * TKB];
       if (limit[m] == 0) {
-        std::memset(static_cast<void*>(pr), 0, cols * sizeof(T));  // zero in float32 and bf16
+        std::memset(static_cast<void*>(pr), 0, TKB * sizeof(T));  // zero in float32 and bf16
         continue;
       }
-      sum[m] = sum[m] * corr[m] + probabilities(sr, log2_scale, mnew[m], pr, cols);
+      sum[m] = sum[m] * corr[m] + probabilities(sr, log2_scale, mnew[m], pr);
       if (corr[m] != 1.f) {
         float* om = &o[static_cast<size_t>(m) * D];
         const vf k = splat(corr[m]);
         for (int i = 0; i < D; i += W) store(om + i, load(om + i) * k);
       }
     }
-    product<T>(M - m0, D, cols, &pbuf[m0 * TKB], TKB, vt, D, &o[m0 * D], D, true);
+    product<T>(M - m0, D, TKB, &pbuf[m0 * TKB], TKB, vt, &o[m0 * D], D, true);
   }
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) {
@@ -817,6 +788,80 @@ __attribute__((target("avx512bf16"))) bool capped_probabilities(const float* s, 
   sum += hsum(add);
   return true;
 }
+
+#if defined(__AVX512BF16__)
+// The same tile on AVX512-BF16's dot product without AMX (AMD Zen 4), a
+// register tile's rows (at most DOT_ROWS query vectors) at a time: a block's
+// scores, probabilities and share of P V while they are in L1, only the keys
+// its last vector sees (in 32s), and the one-pass softmax against a
+// reference maximum of attend_tile_amx. Through attend_tile_brgemm's layout
+// (every vector's scores for a KV tile, then all probabilities, then P V)
+// the scores of 768 vectors went to L2 and back, each row took a pass for
+// its maximum first, and the causal diagonal's tiles computed all their keys.
+template <int D>
+void attend_tile_dot(const c10::BFloat16* q, int64_t q_row_stride, int G, int rows, int first_pos,
+                     const c10::BFloat16* kc, const c10::BFloat16* vc, const Cache& c, float scale,
+                     c10::BFloat16* out, int64_t out_row_stride) {
+  using T = c10::BFloat16;
+  static constexpr auto tiles = dot_tiles<DotF32>(std::make_index_sequence<DOT_ROWS>{});
+  const int M = rows * G;
+  std::unique_ptr<T[]> qbuf(new T[static_cast<size_t>(M) * D]);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) std::copy_n(q + r * q_row_stride + g * D, D, &qbuf[(r * G + g) * D]);
+  std::vector<float> o(static_cast<size_t>(M) * D, 0.f), ref(M, NEG_INF), sum(M, 0.f);
+  auto seen = [&](int m) { return first_pos + m / G + 1; };  // the keys [0, seen) vector m sees
+  std::unique_ptr<T[]> kv(new T[2 * D * TKB]);
+  T *kt = kv.get(), *vt = kt + D * TKB;
+  alignas(64) float s[DOT_ROWS * TKB];
+  alignas(64) T p[DOT_ROWS * TKB];
+  const auto* qw = reinterpret_cast<const uint16_t*>(qbuf.get());
+  const auto* kw = reinterpret_cast<const uint16_t*>(kt);
+  const auto* vw = reinterpret_cast<const uint16_t*>(vt);
+  const auto* pw = reinterpret_cast<const uint16_t*>(p);
+  const float log2_scale = scale * 1.44269504088896341f;
+  const int kv_end = first_pos + rows;
+  for (int t0 = 0; t0 < kv_end; t0 += TKB) {
+    const int n = std::min(TKB, kv_end - t0);
+    gather_tile<T, D>(kc, vc, c, t0, n, kt, vt);
+    const int m_begin = std::min(std::max(0, t0 - first_pos) * G, M);  // vectors before it see none of this tile
+    dot_row_tiles(M - m_begin, [&](int64_t r, int R) {
+      const int m0 = m_begin + static_cast<int>(r);
+      const int cols = (std::min(n, seen(m0 + R - 1) - t0) + DOT_COLS - 1) / DOT_COLS * DOT_COLS;
+      for (int n0 = 0; n0 < cols; n0 += DOT_COLS)
+        tiles[R - 1](qw + m0 * D, D, kw + 2 * n0, TKB, D / 2, s + n0, TKB, false);
+      for (int i = 0; i < R; ++i) {
+        const int m = m0 + i;
+        float* sr = s + i * TKB;
+        T* pr = p + i * TKB;
+        const int lim = std::clamp(seen(m) - t0, 0, cols);
+        std::fill(sr + lim, sr + cols, NEG_INF);
+        if (ref[m] != NEG_INF && capped_probabilities(sr, cols, log2_scale, ref[m], pr, sum[m])) continue;
+        // the first keys it sees, or scores past its reference: the maximum first
+        vf mv = splat(NEG_INF);
+        for (int t = 0; t < lim; t += W) mv = vmax(mv, load(sr + t));
+        const float hi = hmax(mv) * log2_scale;  // log2 units
+        if (hi > ref[m] + RESCALE_LOG2) {
+          if (ref[m] != NEG_INF) {
+            const float corr = std::exp2(ref[m] - hi);
+            sum[m] *= corr;
+            float* om = &o[static_cast<size_t>(m) * D];
+            for (int x = 0; x < D; x += W) store(om + x, load(om + x) * splat(corr));
+          }
+          ref[m] = hi;
+        }
+        sum[m] += probabilities(sr, log2_scale, ref[m], pr, cols);
+      }
+      for (int d0 = 0; d0 < D; d0 += DOT_COLS)
+        tiles[R - 1](pw, TKB, vw + 2 * d0, D, cols / 2, &o[static_cast<size_t>(m0) * D + d0], D, true);
+    });
+  }
+  for (int m = 0; m < M; ++m) {
+    const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
+    T* dst = out + (m / G) * out_row_stride + (m % G) * D;
+    for (int x = 0; x < D; x += W) store(dst + x, load(&o[static_cast<size_t>(m) * D + x]) * splat(inv));
+  }
+}
+#endif
 
 // The same tile as attend_tile_brgemm (bf16, D = 64) on AMX, a pair of query
 // blocks at a time (padded with copies of the last row's limits).
@@ -1106,6 +1151,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
               if (use_amx_tiles()) {
                 attend_tile_amx(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
                 tiles_used = true;
+                continue;
+              }
+            }
+#endif
+#if defined(__AVX512BF16__)
+            if constexpr (!std::is_same_v<T, float> && D % DOT_COLS == 0) {
+              if (!amx_brgemm()) {
+                attend_tile_dot<D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
                 continue;
               }
             }
