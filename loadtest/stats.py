@@ -11,6 +11,20 @@ from stallfree.core.sched.timings import percentile
 from stallfree.loadtest.clients import Result
 
 
+def all_decoding_rate(ok: list[Result]) -> float:
+    """Tokens per second while every stream decodes: from the last stream's
+    first token to the first stream's last. The run's throughput also holds
+    the time before (the prompts' prefill, the first tokens) and after (the
+    last streams alone); this is the decode rate of all of them together. 0
+    when no such window exists (a stream ended before another began)."""
+    if not ok:
+        return 0.0
+    begin, end = max(r.token_s[0] for r in ok), min(r.token_s[-1] for r in ok)
+    if end <= begin:
+        return 0.0
+    return sum(begin < t <= end for r in ok for t in r.token_s) / (end - begin)
+
+
 def summarize(
     results: list[Result],
     group: str | None = None,
@@ -47,6 +61,7 @@ def summarize(
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens": tokens,
         "throughput_tokens_per_s": tokens / (end - start) if end > start else 0.0,
+        "decode_tokens_per_s": all_decoding_rate(ok),
     }
     if refused:
         refusal_ms = [(r.refused_s or 0.0) * 1e3 for r in refused]
