@@ -22,6 +22,7 @@ import torch
 from stallfree.kernels import cpu_build, reference
 from stallfree.kernels.attention_meta import AttentionMeta, build_attention_meta
 from stallfree.kernels.compact import Quantized
+from stallfree.kernels.fused_layers import FusedLayers
 from stallfree.kernels.linear import Linear
 from stallfree.kernels.linear import int8_available as linear_int8_available
 from stallfree.kernels.screened_head import ScreenedHead
@@ -73,6 +74,12 @@ def _impl(t: torch.Tensor) -> ModuleType:
             return triton_ops
         return reference
     return _cpu()
+
+
+def native_in_use(t: torch.Tensor) -> bool:
+    """Whether ops on tensors like ``t`` run the C++ kernels now (a CPU tensor,
+    the extension built, no other CPU path chosen by ``cpu_path``)."""
+    return not t.is_cuda and native_cpu() is not None and _cpu() is native_cpu()
 
 
 def backend(device: torch.device) -> str:
@@ -178,6 +185,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "AttentionMeta",
+    "FusedLayers",
     "Linear",
     "Quantized",
     "ScreenedHead",
@@ -190,6 +198,7 @@ __all__ = [
     "linear_int8_available",
     "linear_silu_mul",
     "native_cpu",
+    "native_in_use",
     "paged_attention",
     "paths",
     "rms_norm",

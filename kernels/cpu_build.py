@@ -40,6 +40,7 @@ SOURCES = [
         "dot_gemm.cpp",
         "elementwise.cpp",
         "gemm.cpp",
+        "layers.cpp",
         "roofline.cpp",
         "screen.cpp",
     )

@@ -143,3 +143,5 @@ def test_the_start_up_log_names_the_kind_and_each_ops_path(tiny_model):
     assert ("vdpbf16ps" in paths["attention prefill"]) == (dot_available() and not cpu_build.has_amx())
     assert paths["head"].startswith("float32")
     assert ("vdpbf16ps" in paths["attention decode"]) == dot_available()
+    # the tiny model's heads of 16 are not the native RoPE's: its layers go op by op
+    assert paths["layer loop"] == "op by op from Python"

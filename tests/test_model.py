@@ -1,5 +1,6 @@
 """The torch model path: paged attention, chunking exactness, loaders, the real model."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,10 +10,12 @@ import llguidance
 import pytest
 import torch
 
+from stallfree import kernels
 from stallfree.core.analysis.profiler import choose_budget, compute_label, profile_runner
 from stallfree.core.build import ModelSettings, load_runner
 from stallfree.core.model.export import export_hf_dir
-from stallfree.core.model.loader import ModelLoadError, load_model
+from stallfree.core.model.loader import ModelLoadError, load_model, load_tiny
+from stallfree.core.model.model_config import ModelConfig
 from stallfree.core.model.model_runner import ModelRunner, kv_blocks_for
 from stallfree.core.sched.batch import Batch, Item
 from stallfree.core.sched.block_manager import BlockManager
@@ -20,6 +23,7 @@ from stallfree.core.sched.config import CacheConfig, SchedulerConfig
 from stallfree.core.sched.engine import Engine, RequestRejected, check_request
 from stallfree.core.sched.request import Request, SamplingParams
 from stallfree.kernels import build_attention_meta, cpu_build, paged_attention, write_kv
+from stallfree.kernels.linear import dot_available
 from tests.simkit import request, run_to_completion, tokens
 
 CPU = torch.device("cpu")
@@ -116,6 +120,31 @@ def test_chunked_prefill_is_exact(tiny_model):
         mixed = first_token_logits(runner, prompt, chunk, [tokens("x", 20), tokens("y", 37)])
         assert torch.allclose(mixed, whole, atol=1e-4), chunk
         assert mixed.argmax() == whole.argmax()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_layer_loop_gives_the_op_by_op_loops_logits(bias):
+    """Where every linear layer runs on the dot-product kernel the decoder
+    layers run as one native call (``kernels.FusedLayers``), exactly there;
+    a chunk's logits beside two decodes are the op-by-op loop's, bit for bit
+    (heads of 32, bf16; Qwen2's q/k/v biases too). A path of ``cpu_path``'s
+    choosing keeps the loop."""
+    config = dataclasses.replace(ModelConfig.tiny(), head_dim=32, attention_bias=bias)
+    runner = ModelRunner(load_tiny(config=config), 256, 16, torch.bfloat16, CPU)
+    model = runner.model
+    assert (model.fused is not None) == (dot_available() and not cpu_build.has_amx())
+    if model.fused is None:
+        return
+    assert runner.kernel_paths["layer loop"] == "one native call (layers.cpp)"
+    fused, calls = model.fused, []
+    model.fused = lambda *args: calls.append(1) or fused(*args)
+    prompt, decoders = tokens("fused", 70), [tokens("x", 20), tokens("y", 37)]
+    native = first_token_logits(runner, prompt, 16, decoders)
+    assert len(calls) == 2 + 5  # the decoders' prompts, then the prompt's five chunks
+    model.fused = None
+    assert torch.equal(native, first_token_logits(runner, prompt, 16, decoders))
+    with kernels.cpu_path(kernels.reference):
+        assert not kernels.native_in_use(torch.zeros(1))
 
 
 def test_a_bf16_kv_cache_under_float32_compute(tiny_model):

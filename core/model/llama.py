@@ -115,6 +115,19 @@ class LlamaModel:
             )
         self.cos_sin = rope_cos_sin(config, device)
         self.scale = config.head_dim**-0.5
+        layers = self.layers
+        # the layer loop in one native call where every op would take the native path it takes
+        self.fused = kernels.FusedLayers.over(
+            [x.input_norm for x in layers],
+            [x.qkv for x in layers],
+            [x.o for x in layers],
+            [x.post_norm for x in layers],
+            [x.gate_up for x in layers],
+            [x.down for x in layers],
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
 
     @torch.inference_mode()
     def forward(
@@ -129,11 +142,28 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Logits (float32) for logits_rows; an ``argmax_only`` row's argmax is
         the float32 head's, its other values may be a screen's (``_head``)."""
+        eps = self.config.rms_norm_eps
+        h = self.embed[input_ids].float()
+        if self.fused is not None and k_cache.dtype == self.dtype and kernels.native_in_use(h):
+            h, residual = self.fused(h, positions, self.cos_sin, k_cache, v_cache, meta, self.scale, eps)
+        else:
+            h, residual = self._layers(h, positions, meta, k_cache, v_cache)
+        last = (residual + h.float())[logits_rows]
+        return self._head(kernels.rms_norm(last, self.final_norm, eps), argmax_only)
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: kernels.AttentionMeta,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the float32 residual stream) for the embedded tokens ``h``, op by op."""
         cfg = self.config
-        t = input_ids.shape[0]
+        t = h.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         eps = cfg.rms_norm_eps
-        h = self.embed[input_ids].float()
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -158,8 +188,7 @@ class LlamaModel:
             x, residual = kernels.add_rms_norm(h, residual, layer.post_norm, eps)
             h = kernels.linear(layer.down, kernels.linear_silu_mul(layer.gate_up, x))
         assert residual is not None  # set by the first layer
-        last = (residual + h.float())[logits_rows]
-        return self._head(kernels.rms_norm(last, self.final_norm, eps), argmax_only)
+        return h, residual
 
     def _head(self, x: torch.Tensor, argmax_only: torch.Tensor | None) -> torch.Tensor:
         """The float32 head; enough rows that want only their argmax take the

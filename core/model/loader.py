@@ -190,9 +190,10 @@ def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path:
 
 
 # -- tiny random model ----------------------------------------------------------
-def load_tiny(seed: int = 0) -> LoadedModel:
-    """Random weights over the embedded model's tokenizer (fixed seed)."""
-    config = ModelConfig.tiny()
+def load_tiny(seed: int = 0, config: ModelConfig | None = None) -> LoadedModel:
+    """Random weights over the embedded model's tokenizer (fixed seed), in
+    ``ModelConfig.tiny()``'s shapes or ``config``'s (q/k/v biases where it has them)."""
+    config = config or ModelConfig.tiny()
     gen = torch.Generator().manual_seed(seed)
     h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
 
@@ -213,5 +214,8 @@ def load_tiny(seed: int = 0) -> LoadedModel:
             p + "mlp.up_proj.weight": rand(f, h),
             p + "mlp.down_proj.weight": rand(h, f),
         }
+        if config.attention_bias:
+            heads = {"q": config.num_heads, "k": config.num_kv_heads, "v": config.num_kv_heads}
+            weights |= {p + f"self_attn.{x}_proj.bias": rand(n * d) for x, n in heads.items()}
     tokenizer = load_tokenizer()
     return LoadedModel(config, weights, tokenizer, TINY)

@@ -80,6 +80,9 @@ class ModelRunner:
         self.kernels = backend(device)  # e.g. native-avx2, triton, reference (why)
         # the CPU's kind and each op's implementation, for the start-up log and records
         self.kernel_paths = paths(self.dtype, self.kv_dtype) if device.type == "cpu" else {}
+        if self.kernel_paths and "all ops" not in self.kernel_paths:
+            fused = self.model.fused is not None and self.kv_dtype == self.dtype
+            self.kernel_paths["layer loop"] = "one native call (layers.cpp)" if fused else "op by op from Python"
         # batches up to this many tokens read the compact decode weights (0: none)
         self.small_batch_rows = Linear.COMPACT_ROWS if self.model.layers[0].gate_up.compact is not None else 0
         self.load_s = time.perf_counter() - start
