@@ -116,7 +116,7 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin(config, device)
         self.scale = config.head_dim**-0.5
         layers = self.layers
-        # the layer loop in one native call where every op would take the native path it takes
+        # the layers in one native call where every op of the loop below would run on the C++ kernels
         self.fused = kernels.FusedLayers.over(
             [x.input_norm for x in layers],
             [x.qkv for x in layers],
