@@ -789,6 +789,35 @@ __attribute__((target("avx512bf16"))) bool capped_probabilities(const float* s, 
   return true;
 }
 
+// One query vector's probabilities for a KV tile: its scores sr[0, cols),
+// keys from lim on masked here, in one pass against its reference maximum
+// `ref` (log2 units) while no score passes it by RESCALE_LOG2; else the
+// maximum first, and the running `sum` and output row `o` (D floats)
+// rescaled to the new reference. A vector that has seen no key yet gets zeros.
+template <int D>
+void softmax_row(float* sr, int lim, int cols, float log2_scale, float& ref, float& sum, c10::BFloat16* pr,
+                 float* o) {
+  std::fill(sr + lim, sr + cols, NEG_INF);
+  if (ref != NEG_INF && capped_probabilities(sr, cols, log2_scale, ref, pr, sum)) return;
+  // the first keys it sees, or scores past its reference: the maximum first
+  vf mv = splat(NEG_INF);
+  for (int t = 0; t < lim; t += W) mv = vmax(mv, load(sr + t));
+  const float hi = hmax(mv) * log2_scale;  // log2 units
+  if (hi > ref + RESCALE_LOG2) {
+    if (ref != NEG_INF) {
+      const float corr = std::exp2(ref - hi);
+      sum *= corr;
+      for (int x = 0; x < D; x += W) store(o + x, load(o + x) * splat(corr));
+    }
+    ref = hi;
+  }
+  if (ref == NEG_INF) {  // sees none of these keys yet
+    std::memset(static_cast<void*>(pr), 0, cols * sizeof(c10::BFloat16));
+    return;
+  }
+  sum += probabilities(sr, log2_scale, ref, pr, cols);
+}
+
 #if defined(__AVX512BF16__)
 // The same tile on AVX512-BF16's dot product without AMX (AMD Zen 4), a
 // register tile's rows (at most DOT_ROWS query vectors) at a time: a block's
@@ -830,26 +859,9 @@ void attend_tile_dot(const c10::BFloat16* q, int64_t q_row_stride, int G, int ro
       for (int n0 = 0; n0 < cols; n0 += DOT_COLS)
         tiles[R - 1](qw + m0 * D, D, kw + 2 * n0, TKB, D / 2, s + n0, TKB, false);
       for (int i = 0; i < R; ++i) {
-        const int m = m0 + i;
-        float* sr = s + i * TKB;
-        T* pr = p + i * TKB;
-        const int lim = std::clamp(seen(m) - t0, 0, cols);
-        std::fill(sr + lim, sr + cols, NEG_INF);
-        if (ref[m] != NEG_INF && capped_probabilities(sr, cols, log2_scale, ref[m], pr, sum[m])) continue;
-        // the first keys it sees, or scores past its reference: the maximum first
-        vf mv = splat(NEG_INF);
-        for (int t = 0; t < lim; t += W) mv = vmax(mv, load(sr + t));
-        const float hi = hmax(mv) * log2_scale;  // log2 units
-        if (hi > ref[m] + RESCALE_LOG2) {
-          if (ref[m] != NEG_INF) {
-            const float corr = std::exp2(ref[m] - hi);
-            sum[m] *= corr;
-            float* om = &o[static_cast<size_t>(m) * D];
-            for (int x = 0; x < D; x += W) store(om + x, load(om + x) * splat(corr));
-          }
-          ref[m] = hi;
-        }
-        sum[m] += probabilities(sr, log2_scale, ref[m], pr, cols);
+        const int m = m0 + i, lim = std::clamp(seen(m) - t0, 0, cols);
+        softmax_row<D>(s + i * TKB, lim, cols, log2_scale, ref[m], sum[m], p + i * TKB,
+                       &o[static_cast<size_t>(m) * D]);
       }
       for (int d0 = 0; d0 < D; d0 += DOT_COLS)
         tiles[R - 1](pw, TKB, vw + 2 * d0, D, cols / 2, &o[static_cast<size_t>(m0) * D + d0], D, true);
@@ -902,30 +914,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_tile_amx(const c10::BFl
       if (prev >= 0)
         amx_values(p[slot ^ 1], prev_cols, reinterpret_cast<const uint32_t*>(vt), &o[static_cast<size_t>(prev) * D]);
       for (int i = 0; i < R; ++i) {
-        const int m = b + i;
-        float* sr = s + i * TKB;
-        T* pr = p[slot] + i * TKB;
-        const int lim = std::clamp(seen(m) - t0, 0, cols);
-        std::fill(sr + lim, sr + cols, NEG_INF);
-        if (ref[m] != NEG_INF && capped_probabilities(sr, cols, log2_scale, ref[m], pr, sum[m])) continue;
-        // the first keys it sees, or scores past its reference: the maximum first
-        vf mv = splat(NEG_INF);
-        for (int t = 0; t < lim; t += W) mv = vmax(mv, load(sr + t));
-        const float hi = hmax(mv) * log2_scale;  // log2 units
-        if (hi > ref[m] + RESCALE_LOG2) {
-          if (ref[m] != NEG_INF) {
-            const float corr = std::exp2(ref[m] - hi);
-            sum[m] *= corr;
-            float* om = &o[static_cast<size_t>(m) * D];
-            for (int x = 0; x < D; x += W) store(om + x, load(om + x) * splat(corr));
-          }
-          ref[m] = hi;
-        }
-        if (ref[m] == NEG_INF) {  // sees none of these keys yet
-          std::memset(static_cast<void*>(pr), 0, cols * sizeof(T));
-          continue;
-        }
-        sum[m] += probabilities(sr, log2_scale, ref[m], pr, cols);
+        const int m = b + i, lim = std::clamp(seen(m) - t0, 0, cols);
+        softmax_row<D>(s + i * TKB, lim, cols, log2_scale, ref[m], sum[m], p[slot] + i * TKB,
+                       &o[static_cast<size_t>(m) * D]);
       }
       prev = b, prev_cols = cols;
     }
