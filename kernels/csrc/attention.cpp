@@ -879,14 +879,15 @@ void attend_tile_dot(const c10::BFloat16* q, int64_t q_row_stride, int G, int ro
       const int m0 = m_begin + static_cast<int>(r);
       const int cols = (std::min(n, seen(m0 + R - 1) - t0) + DOT_COLS - 1) / DOT_COLS * DOT_COLS;
       for (int n0 = 0; n0 < cols; n0 += DOT_COLS)
-        tiles[R - 1](qw + m0 * D, D, kw + 2 * n0, TKB, D / 2, s + n0, TKB, false);
+        tiles[R - 1](qw + m0 * D, D, kw + 2 * n0, TKB, D / 2, s + n0, TKB, false, NextBlock{});
       for (int i = 0; i < R; ++i) {
         const int m = m0 + i, lim = std::clamp(seen(m) - t0, 0, cols);
         softmax_row<D>(s + i * TKB, lim, cols, log2_scale, ref[m], sum[m], p + i * TKB,
                        &o[static_cast<size_t>(m) * D]);
       }
       for (int d0 = 0; d0 < D; d0 += DOT_COLS)
-        tiles[R - 1](pw, TKB, vw + 2 * d0, D, cols / 2, &o[static_cast<size_t>(m0) * D + d0], D, true);
+        tiles[R - 1](pw, TKB, vw + 2 * d0, D, cols / 2, &o[static_cast<size_t>(m0) * D + d0], D, true,
+                     NextBlock{});
     });
   }
   for (int m = 0; m < M; ++m) {

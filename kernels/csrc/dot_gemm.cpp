@@ -58,10 +58,10 @@ inline __m512 bias_vec(const void* bias, bool bias_bf16, int64_t n) {
 // y[R rows][n0, n0 + 32) = x[R rows] . W[block]^T + bias, bf16 or float32
 template <int R>
 struct Layer {
-  static void run(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_pairs, const void* bias,
-                  bool bias_bf16, int64_t n0, void* y, int64_t ldy, bool float_out) {
+  static void run(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_pairs, const NextBlock& next,
+                  const void* bias, bool bias_bf16, int64_t n0, void* y, int64_t ldy, bool float_out) {
     __m512 acc[R][2];
-    dot_tile<R>(x, lda, w, NB, k_pairs, acc);
+    dot_tile<R>(x, lda, w, NB, k_pairs, acc, next);
     const __m512 b0 = bias_vec(bias, bias_bf16, n0), b1 = bias_vec(bias, bias_bf16, n0 + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 v0 = _mm512_add_ps(acc[r][0], b0), v1 = _mm512_add_ps(acc[r][1], b1);
@@ -82,10 +82,10 @@ struct Layer {
 // silu(gate) * up, rounded once to bf16 (no gate_up tensor written and read back).
 template <int R>
 struct Gated {
-  static void run(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_pairs, int64_t o0, uint16_t* y,
-                  int64_t ldy) {
+  static void run(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_pairs, const NextBlock& next,
+                  int64_t o0, uint16_t* y, int64_t ldy) {
     __m512 acc[R][2];
-    dot_tile<R>(x, lda, w, NB, k_pairs, acc);
+    dot_tile<R>(x, lda, w, NB, k_pairs, acc, next);
     for (int r = 0; r < R; ++r) {
       const vf v = silu((vf)acc[r][0]) * (vf)acc[r][1];
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + o0), (__m256i)_mm512_cvtneps_pbh((__m512)v));
@@ -133,8 +133,9 @@ at::Tensor gemm_dot(const at::Tensor& x_in, const at::Tensor& packed, const c10:
     for (int64_t i = begin; i < end; ++i) {
       const int64_t p = i / blocks, blk = i % blocks, n0 = blk * NB;
       const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
-      dot_row_tiles(rows, [&](int64_t r, int n) {
-        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, bp, bias_bf16, n0,
+      const uint16_t* next = i + 1 < end && blk + 1 < blocks ? wp + (blk + 1) * K2 * 2 * NB : nullptr;
+      dot_row_tiles_ahead(rows, K2, next, [&](int64_t r, int n, const NextBlock& ahead) {
+        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, ahead, bp, bias_bf16, n0,
                      yp + (m0 + r) * N * esize, N, float_out);
       });
     }
@@ -166,8 +167,10 @@ at::Tensor gemm_dot_silu(const at::Tensor& x_in, const at::Tensor& packed) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t p = i / blocks, blk = i % blocks;
       const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
-      dot_row_tiles(rows, [&](int64_t r, int n) {
-        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, blk * NB / 2, yp + (m0 + r) * F, F);
+      const uint16_t* next = i + 1 < end && blk + 1 < blocks ? wp + (blk + 1) * K2 * 2 * NB : nullptr;
+      dot_row_tiles_ahead(rows, K2, next, [&](int64_t r, int n, const NextBlock& ahead) {
+        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, ahead, blk * NB / 2, yp + (m0 + r) * F,
+                     F);
       });
     }
   });

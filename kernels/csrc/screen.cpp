@@ -68,11 +68,15 @@ void block_bounds(const float* l, int64_t V, int64_t b, int64_t r0, int64_t r1, 
 #if defined(__AVX512BF16__)
 // logits [R][V], rows [m0, m0 + mb) of block b's NBLK columns, from the head
 // packed by pack_dot ([V/32][K/2][32][2]): the block is two of its blocks.
+// `more`: the thread's next item is block b + 1's (its weights are asked for).
 void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t b, int64_t m0, int64_t mb, float* l,
-               int64_t V) {
-  for (int64_t blk = b * NBLK / DOT_COLS; blk < (b + 1) * NBLK / DOT_COLS; ++blk)
+               int64_t V, bool more) {
+  const int64_t end = (b + 1) * NBLK / DOT_COLS;
+  for (int64_t blk = b * NBLK / DOT_COLS; blk < end; ++blk) {
+    const uint16_t* next = blk + 1 < end || (more && blk + 1 < V / DOT_COLS) ? w + (blk + 1) * K * DOT_COLS : nullptr;
     dot_gemm_f32(mb, DOT_COLS, K, x + m0 * K, K, w + blk * K * DOT_COLS, DOT_COLS, l + m0 * V + blk * DOT_COLS, V,
-                 false);
+                 false, next);
+  }
 }
 #endif
 
@@ -98,7 +102,8 @@ std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor&
       const int64_t b = i / mblocks, m0 = (i % mblocks) * MBLK, mb = std::min<int64_t>(MBLK, R - m0);
       if (by_dot) {
 #if defined(__AVX512BF16__)
-        dot_block(reinterpret_cast<const uint16_t*>(xp), K, reinterpret_cast<const uint16_t*>(wp), b, m0, mb, lp, V);
+        dot_block(reinterpret_cast<const uint16_t*>(xp), K, reinterpret_cast<const uint16_t*>(wp), b, m0, mb, lp, V,
+                  i + 1 < end && (i + 1) / mblocks != b);
 #endif
       } else {
         at::native::cpublas::brgemm(mb, NBLK, K, K, NBLK, V, false, xp + m0 * K, wp + b * NBLK * K,
