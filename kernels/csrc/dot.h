@@ -42,7 +42,7 @@ struct NextBlock {
 // apart, rows of B pairs `ldb` columns wide.
 template <int R>
 inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k_pairs,
-                     __m512 (*acc)[2], const NextBlock& next = {}) {
+                     __m512 (*acc)[2], const NextBlock& next) {
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
     for (int j = 0; j < next.per; ++j)
@@ -62,7 +62,7 @@ inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t 
 // C[R rows][32] (+)= A B for one register tile, C float32 rows `ldc` apart.
 template <int R>
 void dot_tile_f32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t k_pairs, float* c,
-                  int64_t ldc, bool add, const NextBlock& next = {}) {
+                  int64_t ldc, bool add, const NextBlock& next) {
   __m512 acc[R][2];
   dot_tile<R>(a, lda, b, ldb, k_pairs, acc, next);
   for (int r = 0; r < R; ++r) {
