@@ -23,6 +23,7 @@ from stallfree.kernels import cpu_build, reference
 from stallfree.kernels.attention_meta import AttentionMeta, build_attention_meta
 from stallfree.kernels.compact import Quantized
 from stallfree.kernels.fused_layers import FusedLayers
+from stallfree.kernels.huge_pages import huge_page_copies
 from stallfree.kernels.linear import Linear
 from stallfree.kernels.linear import int8_available as linear_int8_available
 from stallfree.kernels.screened_head import ScreenedHead
@@ -194,6 +195,7 @@ __all__ = [
     "backend",
     "build_attention_meta",
     "cpu_path",
+    "huge_page_copies",
     "linear",
     "linear_int8_available",
     "linear_silu_mul",

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -136,6 +137,9 @@ def test_the_native_layer_loop_gives_the_op_by_op_loops_logits(bias):
     if model.fused is None:
         return
     assert runner.kernel_paths["layer loop"] == "one native call (layers.cpp)"
+    # the packed weights it streams were moved into one huge-page mapping (kernels.huge_page_copies)
+    assert model.fused.qkv[0] is model.layers[0].qkv.dot
+    assert model.fused.qkv[0].data_ptr() % (2 << 20) == 0 or not hasattr(mmap, "MADV_HUGEPAGE")
     fused, calls = model.fused, []
     model.fused = lambda *args: calls.append(1) or fused(*args)
     prompt, decoders = tokens("fused", 70), [tokens("x", 20), tokens("y", 37)]

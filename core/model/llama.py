@@ -113,6 +113,7 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj.weight", float_out=True),
                 )
             )
+        self._streamed_in_huge_pages()
         self.cos_sin = rope_cos_sin(config, device)
         self.scale = config.head_dim**-0.5
         layers = self.layers
@@ -128,6 +129,20 @@ class LlamaModel:
             config.num_kv_heads,
             config.head_dim,
         )
+
+    def _streamed_in_huge_pages(self) -> None:
+        """The packed weights a decode step streams from memory, moved into huge
+        pages (``kernels.huge_page_copies``): the layers' dot-kernel copies and
+        the screen's. 32 decodes at 2 threads on the 2-core Zen 4: 1.035x
+        (12 alternating pairs in one process)."""
+        linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        dots = [(x, x.dot) for x in linears if x.dot is not None]
+        screen = [self.screen.packed] if self.screen is not None else []
+        copies = kernels.huge_page_copies([dot for _, dot in dots] + screen)
+        for (x, _), copy in zip(dots, copies, strict=False):
+            x.dot = copy
+        if self.screen is not None:
+            self.screen.packed = copies[-1]
 
     @torch.inference_mode()
     def forward(
