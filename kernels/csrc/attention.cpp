@@ -44,6 +44,7 @@ namespace sf {
 namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float MASKED = -1e30f;  // a masked score where the exponential must see finite values (vexp2_bf16)
 constexpr int TK = 64;          // KV tokens per packed tile (prefill)
 constexpr int TILE_VECS = 96;   // query vectors (rows x group) per prefill work item
 constexpr int MB = 8 * W / TK;  // query vectors per score micro-kernel: 8 accumulator registers
@@ -801,7 +802,7 @@ __attribute__((target("avx512bf16"))) bool capped_probabilities(const float* s, 
   for (int t = 0; t < cols; t += W) {
     const vf x = load(s + t);
     top = vmax(top, x);
-    const vf e = vexp2<4>(x * cv - h);
+    const vf e = vexp2_bf16(x * cv - h);
     add += e;
     const __m256bh b = _mm512_cvtneps_pbh((__m512)e);
     std::memcpy(p + t, &b, sizeof(b));
@@ -819,7 +820,7 @@ __attribute__((target("avx512bf16"))) bool capped_probabilities(const float* s, 
 template <int D>
 void softmax_row(float* sr, int lim, int cols, float log2_scale, float& ref, float& sum, c10::BFloat16* pr,
                  float* o) {
-  std::fill(sr + lim, sr + cols, NEG_INF);
+  std::fill(sr + lim, sr + cols, MASKED);
   if (ref != NEG_INF && capped_probabilities(sr, cols, log2_scale, ref, pr, sum)) return;
   // the first keys it sees, or scores past its reference: the maximum first
   vf mv = splat(NEG_INF);
@@ -837,7 +838,7 @@ void softmax_row(float* sr, int lim, int cols, float log2_scale, float& ref, flo
     std::memset(static_cast<void*>(pr), 0, cols * sizeof(c10::BFloat16));
     return;
   }
-  sum += probabilities(sr, log2_scale, ref, pr, cols);
+  capped_probabilities(sr, cols, log2_scale, ref, pr, sum);  // no score passes the reference now
 }
 
 #if defined(__AVX512BF16__)
