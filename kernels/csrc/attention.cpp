@@ -858,8 +858,9 @@ void attend_tile_dot(const c10::BFloat16* q, int64_t q_row_stride, int G, int ro
   // register tiles by rows: Q K^T over a head's D / 2 pairs, P V over 16, 32, 48 or 64 (a tile's keys / 2)
   using Rows = std::make_index_sequence<DOT_ROWS>;
   static constexpr auto score_tiles = dot_tiles<DotF32Fixed<D / 2>::template Tile>(Rows{});
-  static constexpr std::array pv_tiles{dot_tiles<DotF32Fixed<16>::Tile>(Rows{}), dot_tiles<DotF32Fixed<32>::Tile>(Rows{}),
-                                       dot_tiles<DotF32Fixed<48>::Tile>(Rows{}), dot_tiles<DotF32Fixed<64>::Tile>(Rows{})};
+  static constexpr std::array pv_tiles{
+      dot_tiles<DotF32Fixed<16>::Tile>(Rows{}), dot_tiles<DotF32Fixed<32>::Tile>(Rows{}),
+      dot_tiles<DotF32Fixed<48>::Tile>(Rows{}), dot_tiles<DotF32Fixed<64>::Tile>(Rows{})};
   static_assert(TKB == 4 * DOT_COLS);
   const int M = rows * G;
   std::unique_ptr<T[]> qbuf(new T[static_cast<size_t>(M) * D]);
@@ -884,14 +885,16 @@ void attend_tile_dot(const c10::BFloat16* q, int64_t q_row_stride, int G, int ro
     dot_row_tiles(M - m_begin, [&](int64_t r, int R) {
       const int m0 = m_begin + static_cast<int>(r);
       const int cols = (std::min(n, seen(m0 + R - 1) - t0) + DOT_COLS - 1) / DOT_COLS * DOT_COLS;
-      for (int n0 = 0; n0 < cols; n0 += DOT_COLS) score_tiles[R - 1](qw + m0 * D, D, kw + 2 * n0, TKB, s + n0, TKB, false);
+      for (int n0 = 0; n0 < cols; n0 += DOT_COLS)
+        score_tiles[R - 1](qw + m0 * D, D, kw + 2 * n0, TKB, s + n0, TKB, false);
       for (int i = 0; i < R; ++i) {
         const int m = m0 + i, lim = std::clamp(seen(m) - t0, 0, cols);
         softmax_row<D>(s + i * TKB, lim, cols, log2_scale, ref[m], sum[m], p + i * TKB,
                        &o[static_cast<size_t>(m) * D]);
       }
       const auto& pv = pv_tiles[cols / DOT_COLS - 1];
-      for (int d0 = 0; d0 < D; d0 += DOT_COLS) pv[R - 1](pw, TKB, vw + 2 * d0, D, &o[static_cast<size_t>(m0) * D + d0], D, true);
+      for (int d0 = 0; d0 < D; d0 += DOT_COLS)
+        pv[R - 1](pw, TKB, vw + 2 * d0, D, &o[static_cast<size_t>(m0) * D + d0], D, true);
     });
   }
   for (int m = 0; m < M; ++m) {
