@@ -16,6 +16,7 @@ attention, head and element-wise ops gain nothing), 64 decodes 1.01x.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Sequence
 
@@ -27,8 +28,9 @@ _ALIGN = 64
 
 def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of the contiguous CPU ``tensors`` in one mapping advised to use
-    huge pages; the tensors themselves where the platform has no such advice
-    (not Linux). The copies keep the mapping alive (``torch.frombuffer``)."""
+    huge pages (copies all the same where the kernel refuses the advice); the
+    tensors themselves where the platform has no such advice (not Linux). The
+    copies keep the mapping alive (``torch.frombuffer``)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or not tensors:
         return list(tensors)
@@ -39,7 +41,8 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     # the kernel maps anonymous ranges at a page boundary: one huge page more lets the copies start at a 2 MB one
     region = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)
-    region.madvise(advice)
+    with contextlib.suppress(OSError):  # a kernel built without transparent huge pages refuses it: 4 KB pages
+        region.madvise(advice)
     start = -whole.data_ptr() % _HUGE
     copies = []
     for t, offset in zip(tensors, offsets, strict=True):

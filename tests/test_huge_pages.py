@@ -26,5 +26,13 @@ def test_copies_start_at_a_huge_page_boundary() -> None:
     assert copy.data_ptr() % (2 << 20) == 0
 
 
+def test_a_kernel_that_refuses_the_advice_still_gets_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without transparent huge pages in the kernel, madvise fails (EINVAL): the model must load all the same."""
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)  # advice no kernel knows
+    t = torch.randn(4, 5)
+    (copy,) = kernels.huge_page_copies([t])
+    assert torch.equal(copy, t) and copy.data_ptr() != t.data_ptr()
+
+
 def test_nothing_to_copy() -> None:
     assert kernels.huge_page_copies([]) == []
