@@ -25,6 +25,18 @@ def all_decoding_rate(ok: list[Result]) -> float:
     return sum(begin < t <= end for r in ok for t in r.token_s) / (end - begin)
 
 
+def outlived(results: list[Result], decoders: str = "decoder", long: str = "long") -> bool:
+    """Whether every ``decoders`` stream still had a token to come after the last
+    ``long`` prompt's first token: it decoded through the whole prefill, the last
+    (costliest) chunk included. A faster engine's streams can end mid-prefill,
+    and their worst gap then leaves out the chunks after the longest prefix."""
+    firsts = [r.token_s[0] for r in results if r.job.group == long and r.token_s]
+    streams = [r for r in results if r.job.group == decoders]
+    if not firsts or not streams:
+        return False
+    return all(r.token_s and r.token_s[-1] > max(firsts) for r in streams)
+
+
 def summarize(
     results: list[Result],
     group: str | None = None,
