@@ -144,6 +144,7 @@ SCHEDULER_FIELDS = (
     "tbt_slo_ms",
     "ttft_slo_ms",
     "ttft_reserve",
+    "tbt_stretch",
     "speculate",
     "draft_tokens",
     "ngram_min",
@@ -193,6 +194,13 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         help="with TTFT targets: the share of each target kept in hand; while every queued prompt can make its "
         "deadline, prefill takes only the tokens that finish each by its deadline less that share, so iterations "
         "run below the TBT target (default 0: off, prefill as fast as the targets and budget allow)",
+    )
+    g.add_argument(
+        "--tbt-stretch",
+        type=float,
+        help="with TBT and TTFT targets: while a queued prompt would miss its TTFT target at the TBT target's pace "
+        "(or has), iterations may grow to this many times the TBT target (default 1: the target holds; serve's "
+        "derived targets: 2)",
     )
     g.add_argument(
         "--speculate",

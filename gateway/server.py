@@ -101,6 +101,8 @@ def log_startup(client: EngineClient, **facts: object) -> None:
         "engine_started",
         token_budget=cfg.token_budget,
         tbt_slo_ms=cfg.tbt_slo_ms,
+        tbt_stretch=cfg.tbt_stretch,
+        ttft_slo_ms=cfg.ttft_slo_ms,
         prefill_floor=cfg.prefill_floor,
         chunking=cfg.chunking,
         policy=cfg.policy,

@@ -1,7 +1,7 @@
 """`stallfree serve` on the model holds a TBT and a TTFT target out of the box
 (issue 50: the default is the configuration that wins): the TBT target 5 x the
 decode-only iteration it measures before serving; a target set on the command
-line, 0 included, is kept."""
+line, 0 included, is kept; a derived TBT target stretches while TTFT targets press, a stated one holds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from stallfree.cli import build_parser
 from stallfree.cli.options import scheduler_config
 from stallfree.cli.serve import local_engine
 from stallfree.core.analysis import profiler, targets
-from stallfree.core.analysis.targets import SLO_DECODES, TTFT_TARGET_MS, measured_decode_s
+from stallfree.core.analysis.targets import SLO_DECODES, STRETCH, TTFT_TARGET_MS, measured_decode_s
 from tests.simkit import sim_engine
 from tests.test_ttft_target import FakeCost  # 10 ms an iteration, 1 ms a decode, 0.5 ms a prompt token
 
@@ -52,7 +52,9 @@ def test_serve_sets_both_targets_from_the_decode_iteration_it_measured(profiles,
     built = started([])
     assert probed == [built.engine]
     assert (built.engine.config.tbt_slo_ms, built.engine.config.ttft_slo_ms) == (61.5, TTFT_TARGET_MS)
+    assert built.engine.config.tbt_stretch == STRETCH > 1  # a derived target yields while deadlines press
     assert "12.3 ms" in str(built.facts["targets_basis"])
+    assert started(["--tbt-stretch", "1"]).engine.config.tbt_stretch == 1.0  # told: kept
 
 
 def test_the_real_probe_runs_on_the_model_and_leaves_its_kv_free(profiles):
@@ -65,7 +67,7 @@ def test_the_real_probe_runs_on_the_model_and_leaves_its_kv_free(profiles):
 def test_a_target_set_on_the_command_line_is_kept_and_zero_is_off(profiles, monkeypatch):
     monkeypatch.setattr(targets, "measured_decode_s", lambda engine: pytest.fail("no TBT target to derive"))
     config = started(["--tbt-slo-ms", "75"]).engine.config
-    assert (config.tbt_slo_ms, config.ttft_slo_ms) == (75.0, TTFT_TARGET_MS)
+    assert (config.tbt_slo_ms, config.ttft_slo_ms, config.tbt_stretch) == (75.0, TTFT_TARGET_MS, 1.0)
     built = started(["--tbt-slo-ms", "0", "--ttft-slo-ms", "0"])
     assert (built.engine.config.tbt_slo_ms, built.engine.config.ttft_slo_ms) == (0.0, 0.0)
     assert "targets_basis" not in built.facts

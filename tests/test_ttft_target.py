@@ -501,3 +501,44 @@ def test_no_reserve_while_a_queued_prompt_has_no_target_or_cannot_make_it():
         e.add_request(other)
         seen, _ = step(e)
         assert sum(n for _, n, prefill in seen if prefill) == 100, own_target
+
+
+def stretched_chunk(now_ms: float, stretch: float) -> tuple[int, str | None]:
+    """4 decodes (14 ms of the fake's iteration), then a 300-token prompt that arrived
+    at 0 with 1,000 ms, scheduled at ``now_ms`` under a 40 ms TBT target: the target
+    leaves 52 tokens an iteration (6 iterations, 240 ms for the prompt), 2 x the target 132."""
+    e = engine(token_budget=400, tbt_slo_ms=40.0, ttft_slo_ms=1000.0, tbt_stretch=stretch)
+    for i in range(4):
+        e.add_request(request(f"d{i}", 4, max_tokens=50, arrival_ns=0))
+    step(e)  # their prompts: decoding from here on
+    e.add_request(request("p", 300, arrival_ns=0))
+    e.clock.now_ns = int(now_ms * MS)
+    seen, record = step(e)
+    assert record is not None
+    return next(n for rid, n, prefill in seen if rid == "p" and prefill), record.target_missed
+
+
+def test_a_stretch_sizes_iterations_past_the_tbt_target_only_while_a_deadline_presses():
+    """At 100 ms the prompt can make its 1,000 ms at the target's pace: 52 tokens, the
+    iteration within 40 ms. At 900 ms it cannot (240 ms of prefill left, 100 ms to its
+    deadline): with a stretch of 2, 132 tokens and 80 ms, marked "deadlines"; with none
+    (1, the default), the target holds."""
+    assert stretched_chunk(100, 2.0) == (52, None)
+    assert stretched_chunk(900, 2.0) == (132, "deadlines")
+    assert stretched_chunk(900, 1.0) == (52, None)
+    assert SchedulerConfig().tbt_stretch == 1.0
+
+
+def test_a_stretched_iteration_still_teaches_the_aim():
+    """Its prefill was sized to a target (the stretched one): its gap over its prediction counts."""
+    e = engine(token_budget=400, tbt_slo_ms=40.0, ttft_slo_ms=1000.0, tbt_stretch=2.0)
+    for i in range(4):
+        e.add_request(request(f"d{i}", 4, max_tokens=200, arrival_ns=0))
+    step(e)
+    for j in range(20):
+        e.add_request(request(f"p{j}", 300, arrival_ns=0))
+    e.clock.now_ns = 900 * MS
+    for _ in range(18):
+        _, record = step(e)
+        assert record is not None and record.target_missed == "deadlines"
+    assert len(e.scheduler.aim._gap_ratios) >= 16

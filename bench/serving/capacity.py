@@ -219,7 +219,7 @@ def main() -> None:
     sf_port = sf.port
     sf_url = f"http://127.0.0.1:{sf_port}"
     started = httpx.get(sf_url + "/api/config", timeout=30).json()["scheduler"]
-    default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms")}  # the targets serve derived
+    default = {name: started[name] for name in ("tbt_slo_ms", "ttft_slo_ms", "tbt_stretch")}  # what serve derived
     doc["stallfree_default"] = default
     vl_port = free_port()
     vl = vllm_at(vl_port, budgets[0], dtype, logs / f"capacity-vllm-{budgets[0]}.log", args.threads)

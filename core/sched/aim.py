@@ -47,7 +47,8 @@ class Aim:
         ran back to back, else its own duration) over its predicted time to the
         window the aim is read from, once for each of its decodes."""
         last, self._last_end_ns = self._last_end_ns, end_ns
-        if not batch.target_s or batch.over_target is not None or batch.predicted_s <= 0 or not batch.prefill_tokens:
+        unsized = batch.over_target not in (None, "deadlines")  # a stretched target sized it too
+        if not batch.target_s or unsized or batch.predicted_s <= 0 or not batch.prefill_tokens:
             return
         back_to_back = last is not None and start_ns - last < batch.target_s * 0.1e9
         gap_s = (end_ns - (last if back_to_back and last is not None else start_ns)) / 1e9

@@ -60,8 +60,9 @@ class Batch:
     finished: list[str] = field(default_factory=list)  # requests ended since the previous batch
     target_s: float = 0.0  # the TBT target this iteration was sized to (0: none applied)
     predicted_s: float = 0.0  # the cost model's prediction of its time (0: no cost model)
-    # why its predicted time may exceed that target: "decodes" (they alone fill it)
-    # or "floor" (prefill was kept moving at the floor); None: sized within it
+    # why its predicted time may exceed that target: "decodes" (they alone fill it),
+    # "floor" (prefill was kept moving at the floor) or "deadlines" (sized to the
+    # stretched target while TTFT targets pressed: SchedulerConfig.tbt_stretch); None: sized within it
     over_target: str | None = None
     drafts_declined: int = 0  # decodes with draft tokens proposed that the cost model said would not pay
 

@@ -54,6 +54,7 @@ LIVE_SETTINGS = (
     "tbt_slo_ms",
     "ttft_slo_ms",
     "ttft_reserve",
+    "tbt_stretch",
     "speculate",
     "draft_tokens",
     "ngram_min",
@@ -76,6 +77,7 @@ RANGES: dict[str, tuple[type, Any, Any]] = {
     "tbt_slo_ms": (float, 0.0, 600_000.0),
     "ttft_slo_ms": (float, 0.0, 600_000.0),
     "ttft_reserve": (float, 0.0, 0.95),
+    "tbt_stretch": (float, 1.0, 10.0),
     "speculate": (str, SPECULATE_MODES, None),
     "draft_tokens": (int, 1, 16),
     "ngram_min": (int, 1, 16),
@@ -118,6 +120,14 @@ class SchedulerConfig:
     to what the TBT target allows. 0: off (prefill as fast as the TBT target
     and the budget allow).
 
+    tbt_stretch: with a TBT target and TTFT targets, how far past the TBT
+    target an iteration may grow while the TTFT targets press: while a queued
+    prompt would miss its TTFT target at the pace the TBT target allows (or
+    already has), chunks are sized to ``tbt_stretch`` x the target instead
+    (``Batch.over_target``: "deadlines"), so a backlog of prompts clears in
+    fewer, larger iterations. 1: the TBT target holds whatever the queue.
+    serve's derived targets come with 2 (``core.analysis.targets``).
+
     speculate: ``ngram`` verifies up to ``draft_tokens`` draft tokens per
     decode (prompt lookup, ``ngram_min``..``ngram_max`` tokens matched) in the
     decode's own pass. Drafts take only what the batch leaves once every
@@ -145,6 +155,7 @@ class SchedulerConfig:
     tbt_slo_ms: float = 0.0
     ttft_slo_ms: float = 0.0
     ttft_reserve: float = 0.0
+    tbt_stretch: float = 1.0
     speculate: Speculate = Speculate.OFF
     draft_tokens: int = 4
     ngram_min: int = 2

@@ -27,7 +27,9 @@ over the decodes and the chunks placed so far) stays within the target;
 short prompts may use three quarters of the time the decodes leave while a
 long one waits. When the decodes alone fill the target, prefill still moves
 at ``prefill_floor`` tokens (at least a quarter of them to the long prompt),
-and the batch says why it may run over (``Batch.over_target``). Chunks are
+and the batch says why it may run over (``Batch.over_target``). While the
+TTFT targets press (a queued prompt would miss its target at the pace the
+TBT target allows, or has), ``tbt_stretch`` x the target stands for it. Chunks are
 sized to ``aim`` x the target: 1 over the 99.9th percentile of the gap
 decodes got (an iteration's end to the previous one's) over its predicted
 time, in the last 256 iterations whose prefill was sized to a target (not
@@ -227,6 +229,10 @@ class Scheduler:
         self._late = frozenset()
         if self.cost is not None and self._keeps_deadlines():
             self._set_pace(batch, left, limit)
+            if self._pressed(batch, now_ns):
+                batch.run_over("deadlines")
+                limit = self._time_limit(batch, self.config.tbt_stretch)
+                self._set_pace(batch, left, limit)
             self._late = self._late_together(now_ns)
         if mode == Chunking.STALL_FREE and self._keeps_deadlines():  # passes 2 and 3
             left = self._prefill_by_deadline(batch, left, now_ns, limit)
@@ -249,14 +255,14 @@ class Scheduler:
         if cost.iteration_s(*batch.shape()) > batch.target_s:
             batch.run_over("decodes")
 
-    def _time_limit(self, batch: Batch) -> TimeLimit | None:
+    def _time_limit(self, batch: Batch, stretch: float = 1.0) -> TimeLimit | None:
         """The limits on the iteration's time (None: none applies): dynamic chunking's
-        level, and the batch's TBT target x the aim."""
+        level, and the batch's TBT target x the aim (x ``stretch`` while deadlines press)."""
         cfg, cost = self.config, self.cost
         if cost is None:
             return None
         level_s = cost.iteration_s([], [(0, cfg.token_budget)]) if cfg.dynamic_chunking else None
-        target_s = batch.target_s * self.aim.value if batch.target_s else None
+        target_s = batch.target_s * self.aim.value * stretch if batch.target_s else None
         return TimeLimit(cost, target_s, level_s) if target_s is not None or level_s is not None else None
 
     def _set_pace(self, batch: Batch, left: int, limit: TimeLimit | None) -> None:
@@ -265,6 +271,17 @@ class Scheduler:
         assert self.cost is not None
         tokens = self._iteration_tokens(batch, left, limit) if batch.target_s else max(1, left)
         self.pace = Pace(tokens, self.cost.iteration_s(batch.shape()[0], [(0, tokens)]))
+
+    def _pressed(self, batch: Batch, now_ns: int) -> bool:
+        """Whether this iteration stretches past its TBT target (``tbt_stretch``): the
+        TTFT targets press, a queued prompt with one would miss it at this pace or
+        has. Partial prefills first, then the waiting oldest first: under a backlog
+        the first few read say so."""
+        if self.config.tbt_stretch <= 1.0 or not batch.target_s or batch.over_target is not None:
+            return False
+        pace = self.pace
+        partials = (r for r in self.running if r.status == RequestStatus.PREFILLING)
+        return any(r.ttft_slo_ms and slack_s(r, now_ns, pace) < 0 for r in itertools.chain(partials, self.waiting))
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one token for every running decode, highest priority first;
