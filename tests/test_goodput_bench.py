@@ -126,11 +126,14 @@ def test_the_simulators_requests_are_judged_by_the_benchmarks_targets():
 def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tmp_path):
     from bench.serving import goodput
 
-    settings = goodput.configs(230.0, 64, {"tbt_slo_ms": 150.0, "ttft_slo_ms": 2000.0})
+    settings = goodput.configs(230.0, 64, {"tbt_slo_ms": 150.0, "ttft_slo_ms": 2000.0, "tbt_stretch": 2.0})
     assert settings["stallfree-default"]["tbt_slo_ms"] == 150.0  # serve's own target, not the SLO
+    assert settings["stallfree-default"]["tbt_stretch"] == 2.0 and settings["stallfree-unstretched"]["tbt_stretch"] == 1
+    assert settings["stallfree-both"]["tbt_stretch"] == 1.0  # live settings carry over: the SLO holds
     simulated = {"Azure": {e: {"capacity_req_per_s": 4.0, "trials": []} for e in settings}}
     runs = [goodput.Run(e, "Azure", Search(Goodput(0.9), 4.0, max_trials=6), c) for e, c in settings.items()]
     edge = {"stallfree-default": 7.0, "stallfree-both": 8.0, "stallfree-shed": 9.0, "stallfree-tbt": 6.0}
+    edge["stallfree-unstretched"] = 6.5
     edge["vllm-64"] = 5.0
     order = []
 
@@ -149,7 +152,7 @@ def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tm
     doc["traces"] = {"Azure": {"file": "azure.csv", "replay": "the first 100"}}
     base = tmp_path / "goodput-2026-12-04"
     goodput.alternate(runs, trial, doc, base)
-    assert order[:5] == list(settings)  # one trial of each configuration in turn
+    assert order[:6] == list(settings)  # one trial of each configuration in turn
     assert all(len(r.search.trials) <= 6 for r in runs)
     found = {r.engine: r.search.result.rate for r in runs}
     assert 8.0 / 1.05 <= found["stallfree-both"] <= 8.0 and 7.0 / 1.05 <= found["stallfree-default"] <= 7.0
@@ -157,7 +160,7 @@ def test_the_benchmark_searches_alternate_and_write_the_tables_and_the_curves(tm
     check = doc["shed_check"][0]
     assert check["rate"] == 1.5 * found["vllm-64"] and check["passed"]
     goodput.more_rates(runs, trial, [2.0], doc, base)
-    assert sum(t.get("more_rates", False) for t in doc["trials"]) == 5
+    assert sum(t.get("more_rates", False) for t in doc["trials"]) == 6
     doc["table"] = goodput.goodput_table(runs, simulated)
     goodput.write(base, doc)
     md = base.with_suffix(".md").read_text()

@@ -20,6 +20,8 @@ Configurations, on each trace, their trials alternating one by one:
 - stallfree-default: the TBT and TTFT targets ``stallfree serve`` derived at
   start-up (its own decode gap x 5, stretching to 2x that while TTFT targets
   press; 2 s), as a user gets them;
+- stallfree-unstretched: the same targets, the TBT target held whatever the
+  queue (``tbt_stretch`` 1): what the stretch is worth;
 - stallfree-both: TBT target at the SLO, TTFT target 2 s (deadline-ordered
   queue; a request forecast late is admitted best-effort);
 - stallfree-shed: the same, shedding load (a request forecast late is
@@ -124,6 +126,7 @@ def configs(slo_ms: float, budget: int, default: dict[str, float]) -> dict[str, 
     }
     return {
         "stallfree-default": both | default,
+        "stallfree-unstretched": both | default | {"tbt_stretch": 1.0},
         "stallfree-both": both,
         "stallfree-shed": both | {"shed_load": True},
         "stallfree-tbt": both | {"ttft_slo_ms": 0.0},
@@ -143,7 +146,7 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads, each engine (the profile's too)")
     ap.add_argument("--first", type=float, help="every search's first rate (default: the simulator's prediction)")
-    ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all five)")
+    ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all six)")
     ap.add_argument(
         "--shed-check-vs",
         default="",
