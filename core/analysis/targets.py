@@ -18,10 +18,14 @@ slower engine's gap: vLLM's, 2.2-2.8x stallfree's on the 2-core Zen 4). So
 it comes with ``STRETCH``: while the TTFT targets press (a queued prompt
 would miss its first token at the target's pace, or has), iterations may
 grow to ``STRETCH`` x the target and the backlog clears in fewer, larger
-iterations. On the prefill-heavy workload (the simulator, the 2-thread
-profile of 2026-12-07, SLO 170 ms) the default with it reached 4.56 req/s
-of goodput against 4.36 without, both targets told the SLO 4.97. A target
-set on the command line is a promise and holds (stretch 1) unless told otherwise.
+iterations. Goodput capacity through the server on the Zen 4 (2 threads,
+the three configurations alternating in one run each, SLO 137-146 ms;
+bench/results/goodput-2026-12-07-6, -7, -8): with the stretch / held / both
+targets told the SLO, Azure 20.3 / 15.7 / 19.9 req/s, Mooncake 4.18 / 3.67
+/ 4.09, prefill-heavy 3.59 / 2.89 / 4.18. 2, not more: stretched, the P99
+gap at capacity sat at 96-111 ms, under those SLOs with room for their
+noise. A target set on the command line is a promise and holds (stretch 1)
+unless told otherwise.
 
 The TTFT target is the bound the project's capacity and goodput figures
 judge a first token by (2 s: Sarathi-Serve's median scheduling delay, the
