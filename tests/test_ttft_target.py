@@ -529,6 +529,22 @@ def test_a_stretch_sizes_iterations_past_the_tbt_target_only_while_a_deadline_pr
     assert SchedulerConfig().tbt_stretch == 1.0
 
 
+def test_a_preempted_decode_waiting_past_its_deadline_does_not_stretch():
+    """Its first token came long ago: no TTFT of its to save. The fresh prompt beside it
+    has slack: the target holds."""
+    e = engine(token_budget=400, tbt_slo_ms=40.0, ttft_slo_ms=1000.0, tbt_stretch=2.0)
+    for i in range(4):
+        e.add_request(request(f"d{i}", 4, max_tokens=50, arrival_ns=0))
+    step(e)
+    back = request("back", 4, max_tokens=50, arrival_ns=0)
+    back.timeline.first_token_ns = 1  # as a decode sent back for KV room is: its first token out
+    e.add_request(back)
+    e.add_request(request("p", 300, arrival_ns=1900 * MS))
+    e.clock.now_ns = 2000 * MS  # the sent-back decode's 1,000 ms passed long ago
+    _, record = step(e)
+    assert record is not None and record.target_missed is None
+
+
 def test_a_stretched_iteration_still_teaches_the_aim():
     """Its prefill was sized to a target (the stretched one): its gap over its prediction counts."""
     e = engine(token_budget=400, tbt_slo_ms=40.0, ttft_slo_ms=1000.0, tbt_stretch=2.0)

@@ -275,13 +275,19 @@ class Scheduler:
     def _pressed(self, batch: Batch, now_ns: int) -> bool:
         """Whether this iteration stretches past its TBT target (``tbt_stretch``): the
         TTFT targets press, a queued prompt with one would miss it at this pace or
-        has. Partial prefills first, then the waiting oldest first: under a backlog
-        the first few read say so."""
+        has (a preempted decode has had its first token: no). Not when the decodes
+        alone fill the target: the floor keeps prefill moving then. Partial
+        prefills first, then the waiting oldest first: under a backlog the first
+        few read say so."""
         if self.config.tbt_stretch <= 1.0 or not batch.target_s or batch.over_target is not None:
             return False
         pace = self.pace
+
+        def late(r: Request) -> bool:
+            return bool(r.ttft_slo_ms) and r.timeline.first_token_ns is None and slack_s(r, now_ns, pace) < 0
+
         partials = (r for r in self.running if r.status == RequestStatus.PREFILLING)
-        return any(r.ttft_slo_ms and slack_s(r, now_ns, pace) < 0 for r in itertools.chain(partials, self.waiting))
+        return any(late(r) for r in itertools.chain(partials, self.waiting))
 
     def _decode(self, batch: Batch, left: int) -> int:
         """Pass 1: one token for every running decode, highest priority first;
