@@ -200,7 +200,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         type=float,
         help="with TBT and TTFT targets: while a queued prompt would miss its TTFT target at the TBT target's pace "
         "(or has), iterations may grow to this many times the TBT target (default 1: the target holds; serve's "
-        "derived targets: 2)",
+        "derived targets: 1.5)",
     )
     g.add_argument(
         "--speculate",

@@ -18,8 +18,8 @@ scales them; the first ``--warmup`` of them run but are not judged.
 
 Configurations, on each trace, their trials alternating one by one:
 - stallfree-default: the TBT and TTFT targets ``stallfree serve`` derived at
-  start-up (its own decode gap x 5, stretching to 2x that while TTFT targets
-  press; 2 s), as a user gets them;
+  start-up (its own decode gap x 5, stretching to 1.5x that while TTFT
+  targets press; 2 s), as a user gets them;
 - stallfree-unstretched: the same targets, the TBT target held whatever the
   queue (``tbt_stretch`` 1): what the stretch is worth;
 - stallfree-both: TBT target at the SLO, TTFT target 2 s (deadline-ordered

@@ -126,7 +126,7 @@ class SchedulerConfig:
     already has), chunks are sized to ``tbt_stretch`` x the target instead
     (``Batch.over_target``: "deadlines"), so a backlog of prompts clears in
     fewer, larger iterations. 1: the TBT target holds whatever the queue.
-    serve's derived targets come with 2 (``core.analysis.targets``).
+    serve's derived targets come with 1.5 (``core.analysis.targets``).
 
     speculate: ``ngram`` verifies up to ``draft_tokens`` draft tokens per
     decode (prompt lookup, ``ngram_min``..``ngram_max`` tokens matched) in the
