@@ -30,9 +30,10 @@ simulator agreed (0.79 against 1.61). 1.5 keeps a stretched iteration
 within 5 x a peer 1.5x slower: the simulator at one thread (profile-2026-12-07-2,
 SLO 153 ms) Mooncake 1.58 / 1.61 held / 1.96 both, Azure 10.4 / 9.93 / 10.4,
 prefill-heavy 2.18 / 2.13 / 2.18; at two (SLO 140 ms) Mooncake 5.3 / 4.76 /
-5.54, Azure 23.6 / 21.7 / 28.7, prefill-heavy 4.36 / 4.27 / 4.86; measured:
-bench/results/goodput-2026-12-07-10. A target set on the command line is a
-promise and holds (stretch 1) unless told otherwise.
+5.54, Azure 23.6 / 21.7 / 28.7, prefill-heavy 4.36 / 4.27 / 4.86; measured
+at two (goodput-2026-12-07-10, -11): Azure 16.0 / 15.0 / 19.0, prefill-heavy
+3.22 / 2.95 / 3.29. A target set on the command line is a promise and holds
+(stretch 1) unless told otherwise.
 
 The TTFT target is the bound the project's capacity and goodput figures
 judge a first token by (2 s: Sarathi-Serve's median scheduling delay, the
