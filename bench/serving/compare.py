@@ -96,9 +96,9 @@ def run(target, jobs) -> tuple[dict, list]:
     }, results
 
 
-# phase -> (stallfree /api/config, vLLM flags after start.sh's defaults)
 LONG_AT_S = 1.0  # the 2,000-token prompt's arrival in the interference runs
 
+# phase -> (stallfree /api/config, vLLM flags after start.sh's defaults)
 PHASES = {
     "budget512": ({"chunking": "stall_free", "token_budget": 512}, ["--max-num-batched-tokens", "512"]),
     "budget256": ({"chunking": "stall_free", "token_budget": 256}, ["--max-num-batched-tokens", "256"]),
