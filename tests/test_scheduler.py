@@ -1,11 +1,15 @@
 """Scheduler behaviour, one rule per test, on the engine with SimRunner."""
 
 import itertools
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stallfree.core.analysis.cost_model import CostModel, HardwareSpec, ModelSpec
 from stallfree.core.sched import scheduler as scheduler_module
+from stallfree.core.sched.chunk_rule import even_share
 from stallfree.core.sched.config import SchedulerConfig
 from stallfree.core.sched.engine import check_request
 from stallfree.core.sched.request import RequestStatus
@@ -31,14 +35,14 @@ def test_decodes_first_then_partial_then_new_within_budget():
     e.add_request(request("long", 60))
     items = step_items(e)
     assert items[:2] == [("d1", 1, False), ("d2", 1, False)]
-    assert items[2] == ("long", 38, True)  # leftover budget, cut at the boundary
+    # 60 tokens need two iterations of the 38 the decodes leave: two even chunks, not 38 and 22
+    assert items[2] == ("long", 30, True)
     e.add_request(request("new", 30))
     items = step_items(e)
-    # the partial prefill's next chunk comes before the newcomer
+    # the partial prefill's next chunk comes before the newcomer, which takes what is left
     assert [i[0] for i in items] == ["d1", "d2", "long", "new"]
     assert sum(n for _, n, _ in items) == 40
-    assert items[2] == ("long", 22, True)
-    assert items[3] == ("new", 16, True)
+    assert items[2:] == [("long", 30, True), ("new", 8, True)]
 
 
 def test_partial_prefill_cap_still_admits_prompts_that_finish_in_one_chunk(monkeypatch):
@@ -129,6 +133,34 @@ def test_unchunked_mode_freezes_decodes_for_a_whole_prompt():
     assert all(not p for _, _, p in items)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 600))
+def test_an_even_share_takes_as_many_iterations_as_filling_the_budget(pending, left):
+    """Placed chunk after chunk at ``left`` a time: the iterations filling each
+    would take, no chunk over ``left``, and no two differing by more than one."""
+    sizes = []
+    while pending:
+        sizes.append(even_share(pending, left))
+        pending -= sizes[-1]
+    assert len(sizes) == math.ceil(sum(sizes) / left)
+    assert max(sizes) <= left and max(sizes) - min(sizes) <= 1
+
+
+def test_a_prompt_longer_than_the_budget_runs_in_even_chunks():
+    """2,000 tokens beside 8 decodes at budget 256: the nine iterations the
+    leftover 248 needs, as chunks of 222 or 223, not eight of 248 and a last of
+    16: the last full chunk reads the longest prefix, and it is the smaller."""
+    e = sim_engine(num_blocks=1024, token_budget=256, max_num_seqs=16, max_model_len=4096)
+    start_decoding(e, *(f"d{i}" for i in range(8)), max_tokens=100)
+    e.add_request(request("long", 2000))
+    sizes = []
+    while e.scheduler.requests["long"].status != RequestStatus.DECODING:
+        items = step_items(e)
+        assert sum(1 for _, _, prefill in items if not prefill) == 8
+        sizes += [n for rid, n, prefill in items if rid == "long"]
+    assert sizes == [223, 223] + [222] * 7
+
+
 def test_decode_first_mode_waits_for_decodes_to_finish():
     e = sim_engine(token_budget=40, max_num_seqs=8, chunking="decode_first")
     start_decoding(e, "d1", max_tokens=5)
@@ -142,9 +174,9 @@ def test_mode_switch_live_takes_effect_next_iteration():
     e = sim_engine(token_budget=40, max_num_seqs=8, max_model_len=512)
     start_decoding(e, "d1")
     e.add_request(request("long", 200))
-    assert step_items(e) == [("d1", 1, False), ("long", 39, True)]
+    assert step_items(e) == [("d1", 1, False), ("long", 34, True)]  # 200 in six iterations of 39 at most
     assert e.reconfigure({"chunking": "none"}) == []
-    assert step_items(e) == [("long", 161, True)]  # the rest of the partial prefill, whole
+    assert step_items(e) == [("long", 166, True)]  # the rest of the partial prefill, whole
     with pytest.raises(ValueError, match="cannot be changed at runtime") as info:
         e.reconfigure({"max_num_seqs": 3})
     assert "max_num_seqs" not in str(info.value)  # a name is the caller's input: never echoed
@@ -298,10 +330,10 @@ def test_an_iteration_record_carries_what_its_prediction_read():
     start_decoding(e, "d1", "d2", prompt=4)  # each 4 cached (+ its first token, not yet cached)
     e.add_request(request("long", 60))
     items, first = run_step(e)
-    assert items[2] == ("long", 38, True) and first.chunk_prefix_tokens == 0
+    assert items[2] == ("long", 30, True) and first.chunk_prefix_tokens == 0
     contexts = [e.scheduler.requests[r].num_computed_tokens for r in ("d1", "d2")]
     items, second = run_step(e)
-    assert items[2] == ("long", 22, True) and second.chunk_prefix_tokens == 38
+    assert items[2] == ("long", 30, True) and second.chunk_prefix_tokens == 30
     assert second.decode_context_tokens == sum(contexts) > 0
 
 
@@ -346,14 +378,15 @@ def test_short_prompts_go_before_a_long_prefill_which_keeps_a_quarter():
     e = sim_engine(token_budget=40, max_num_seqs=8)
     start_decoding(e, "d1", "d2")
     e.add_request(request("long", 200))
-    assert step_items(e)[2] == ("long", 38, True)  # alone, it takes all the leftover
+    assert step_items(e)[2] == ("long", 34, True)  # alone, an even share of six iterations of 38
     e.add_request(request("s1", 10))
     e.add_request(request("s2", 30))
     items = step_items(e)
-    # shorts first within 38 - 9 (a quarter kept for the long prompt); s2 gets the rest of that
-    assert items[2:] == [("s1", 10, True), ("s2", 19, True), ("long", 9, True)]
+    # shorts first within 38 - 9 (a quarter kept for the long prompt); s2 needs two
+    # iterations of the 19 left: 15 now; the long prompt its 9 and the 4 s2 left
+    assert items[2:] == [("s1", 10, True), ("s2", 15, True), ("long", 13, True)]
     items = step_items(e)
-    assert items[3:] == [("s2", 11, True), ("long", 26, True)]  # s1 decodes now: 3 decodes, 37 left
+    assert items[3:] == [("s2", 15, True), ("long", 22, True)]  # s1 decodes now: 3 decodes, 37 left
 
 
 def test_long_prompt_progresses_every_iteration_under_a_flood_of_short_ones():

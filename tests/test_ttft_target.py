@@ -317,8 +317,9 @@ def test_a_long_prompt_passed_over_for_ones_that_can_make_their_targets_waits_af
     arrivals += [Arrival(0.1 * (i + 1), f"s{i}", tokens(i, 100), 4) for i in range(8)]
     rows = report(simulate(arrivals, config, CacheConfig(1024, 16), FakeCost()))["requests"]
     long = rows["long"]
-    # its 10 chunks ran in iterations of at least 60 ms each; of the rest of its TTFT it waited most
-    assert long["queue_wait_ms"] == 0.0 and 400 < long["scheduling_delay_ms"] <= long["ttft_ms"] - 600
+    # passed over for an iteration or more (each at least 50 ms here) after its first chunk
+    assert long["queue_wait_ms"] == 0.0 and 50 <= long["scheduling_delay_ms"] <= long["ttft_ms"] - 600
+    assert all(r["ttft_ms"] <= 500 for rid, r in rows.items() if rid != "long")
     assert all(r["scheduling_delay_ms"] == r["queue_wait_ms"] for rid, r in rows.items() if rid != "long")
 
 
@@ -466,14 +467,15 @@ def reserve_run(reserve: float) -> dict:
 
 
 def test_a_reserve_runs_iterations_below_the_tbt_target_and_still_keeps_every_deadline():
-    """Without a reserve each prompt's chunks fill the 60 ms target (100 tokens
-    beside 4 decodes) and it has its first token in ~210 ms; with half its
+    """Without a reserve each prompt's chunks are an even share of the iterations
+    the 60 ms target needs for it (100 tokens beside the decodes: four of 75 and
+    no more than 60 ms) and it has its first token in ~210 ms; with half its
     1,000 ms target in reserve the chunks are what finishing by 500 ms needs:
-    the decodes' worst gap falls from 60 to under half of it, the prompts'
+    the decodes' worst gap falls from near the target to under half of it, the prompts'
     first tokens come later, all within their 500 ms (and so within the target)."""
     fast, held = reserve_run(0.0), reserve_run(0.5)
     assert fast["summary"]["good_requests"] == held["summary"]["good_requests"] == 10
-    assert fast["summary"]["max_gap_ms"] == 60.0 and held["summary"]["max_gap_ms"] <= 30.0
+    assert 45.0 <= fast["summary"]["max_gap_ms"] <= 60.0 and held["summary"]["max_gap_ms"] <= 30.0
     prompts = [f"p{i}" for i in range(6)]
     assert all(fast["requests"][p]["ttft_ms"] < 250 for p in prompts)
     assert all(250 < held["requests"][p]["ttft_ms"] <= 500 for p in prompts)

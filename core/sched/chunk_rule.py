@@ -1,9 +1,9 @@
 """How many of a prompt's pending tokens a prefill pass places now: the rule each
-pass hands the chunks it sizes. Three rules: what the token budget leaves
-(``BUDGET``); that, cut to the pass's share of the iteration's time limits
-(``core.sched.time_limit.TimeLimit``); and mode ``none``'s whole prompt or
-nothing (``WHOLE``). The passes are the same arithmetic in every mode; the rule
-is what differs."""
+pass hands the chunks it sizes. Three rules: an even share of what the token
+budget leaves (``BUDGET``, ``even_share``); that, cut to the pass's share of the
+iteration's time limits (``core.sched.time_limit.TimeLimit``); and mode
+``none``'s whole prompt or nothing (``WHOLE``). The passes are the same
+arithmetic in every mode; the rule is what differs."""
 
 from __future__ import annotations
 
@@ -19,9 +19,24 @@ class ChunkRule(Protocol):
         ...
 
 
+def even_share(pending: int, left: int) -> int:
+    """Of a prompt's ``pending`` tokens, those to place when ``left`` is what the
+    budget leaves: all if they fit, else an even share of the iterations they need
+    at ``left`` a time (2,000 tokens at 248: nine chunks of 223, not eight of 248
+    and a last of 16). As many iterations, and the same tokens in all, but the
+    costliest chunk, the last full one after the longest prefix (its attention
+    reads every token before it), is smaller: the worst gap of the decodes beside
+    it shrinks by up to 10 % at no cost to the prompt's first token."""
+    if pending <= left:
+        return max(pending, 0)
+    if left <= 0:
+        return 0
+    return -(-pending // -(-pending // left))
+
+
 class Budget:
     def chunk(self, batch: Batch, prefix: int, pending: int, left: int) -> tuple[int, bool]:
-        return min(pending, left), False
+        return even_share(pending, left), False
 
 
 class WholePrompts:

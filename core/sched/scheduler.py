@@ -14,6 +14,11 @@ Each iteration, in ``stall_free`` mode, four passes fill one token budget
    from what the budget (and the TBT target) still leaves, where the cost
    model says they pay (``_draft``).
 
+A chunk is an even share of the iterations its prompt needs at what the budget
+leaves (``chunk_rule.even_share``): 2,000 tokens at 248 go as nine chunks of
+222-223, not eight of 248 and a last of 16, so the last full chunk, which reads
+the longest prefix, costs less, and the prompt takes no more iterations.
+
 In ``stall_free`` mode passes 2 and 3 run for short prompts first, then for long ones (more than
 ``long_prefill_tokens`` still to prefill; by default more than one iteration
 can take: the budget, or what fits a TBT target): a short prompt arriving

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from stallfree.core.sched.batch import Batch
+from stallfree.core.sched.chunk_rule import even_share
 from stallfree.core.sched.cost import IterationCost
 
 
@@ -43,11 +44,12 @@ class TimeLimit:
 
     def chunk(self, batch: Batch, prefix: int, pending: int, left: int) -> tuple[int, bool]:
         """How many of ``pending`` tokens after ``prefix`` the pass places (a
-        ``core.sched.chunk_rule.ChunkRule``): of what the budget ``left`` allows, the
-        most that keep the whole iteration (its decodes, the chunks so far, this one)
-        within its share of the level, then of the TBT target, but what the floor still
-        owes whatever the time; and whether the floor took it past the target."""
-        n = min(pending, left)
+        ``core.sched.chunk_rule.ChunkRule``): of the even share the budget ``left``
+        allows (``even_share``), the most that keep the whole iteration (its
+        decodes, the chunks so far, this one) within its share of the level, then
+        of the TBT target, but what the floor still owes whatever the time; and
+        whether the floor took it past the target."""
+        n = even_share(pending, left)
         if n == 0:
             return 0, False
         owed = self.owed_until - batch.prefill_tokens
