@@ -367,8 +367,9 @@ async def test_one_key_cannot_fill_the_whole_waiting_room():
                     await asyncio.sleep(0.005)  # polling a condition: the gateway runs on its own thread
                 assert not reply.done()  # not refused: queued beside the flood's four
             admitted = await asyncio.gather(*pending)
+            answered = await reply  # before its client closes, which would cut it off unread
         assert all(r.status_code == 429 and "this API key" in r.json()["error"]["message"] for r in refused)
         assert [r.status_code for r in admitted] == [200] * 4
-        assert (await reply).status_code == 200
+        assert answered.status_code == 200
     finally:
         srv.stop()
