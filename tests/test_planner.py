@@ -59,3 +59,27 @@ def test_fuller_estimate_adds_attention_and_reads():
 def test_budget_must_leave_room_for_prefill():
     with pytest.raises(ValueError, match="no room for prefill"):
         plan(CostModel(), decoders=64, budgets=(64,))
+
+
+def test_the_plan_chunks_a_prompt_as_the_scheduler_does():
+    """2,000 tokens beside 8 decodes at budget 256: the plan's chunks are the
+    ones the scheduler runs (even shares of the 248 left), prefix by prefix."""
+    from stallfree.core.analysis.planner import chunks
+    from stallfree.core.sched.request import RequestStatus
+    from tests.simkit import request, sim_engine
+    from tests.simkit import step_items as run_step
+
+    e = sim_engine(num_blocks=1024, token_budget=256, max_num_seqs=16, max_model_len=4096)
+    for i in range(8):
+        e.add_request(request(f"d{i}", 4, max_tokens=100))
+    while any(r.status != RequestStatus.DECODING for r in e.scheduler.requests.values()):
+        e.step()
+    e.add_request(request("long", 2000))
+    ran, prefix = [], 0
+    while e.scheduler.requests["long"].status != RequestStatus.DECODING:
+        for rid, n, _ in run_step(e)[0]:
+            if rid == "long":
+                ran.append((prefix, n))
+                prefix += n
+    assert chunks(8, 2000, 256) == ran
+    assert max(n for _, n in ran) < 248 and len(ran) == 9

@@ -10,33 +10,42 @@ from __future__ import annotations
 from typing import Any
 
 from stallfree.core.analysis.cost_model import CostModel
+from stallfree.core.sched.chunk_rule import even_share
 
 GIB = 2**30
 
 
+def chunks(decoders: int, prompt: int, budget: int) -> list[tuple[int, int]]:
+    """(prefix, tokens) of each chunk `prompt` is prefilled in next to `decoders`
+    decodes: the scheduler's even shares of what the budget leaves."""
+    left = budget - decoders
+    if left < 1:
+        raise ValueError(f"token budget {budget} leaves no room for prefill next to {decoders} decodes")
+    out: list[tuple[int, int]] = []
+    prefix = 0
+    while prefix < prompt:
+        n = even_share(prompt - prefix, left)
+        out.append((prefix, n))
+        prefix += n
+    return out
+
+
 def chunk_schedule(cost: CostModel, decoders: int, decode_context: int, prompt: int, budget: int) -> list[float]:
     """Iteration times (s) while `prompt` is prefilled in chunks next to `decoders` decodes."""
-    chunk = budget - decoders
-    if chunk < 1:
-        raise ValueError(f"token budget {budget} leaves no room for prefill next to {decoders} decodes")
-    times = []
-    for prefix in range(0, prompt, chunk):
-        n = min(chunk, prompt - prefix)
-        times.append(cost.iteration_s([decode_context] * decoders, [(prefix, n)]))
-    return times
+    return [cost.iteration_s([decode_context] * decoders, [c]) for c in chunks(decoders, prompt, budget)]
 
 
 def budget_row(cost: CostModel, decoders: int, decode_context: int, prompt: int, budget: int) -> dict[str, Any]:
     times = chunk_schedule(cost, decoders, decode_context, prompt, budget)
-    chunk = budget - decoders
+    placed = chunks(decoders, prompt, budget)
     return {
         "token_budget": budget,
-        "chunk_tokens": chunk,
+        "chunk_tokens": max(n for _, n in placed),
         "chunk_iteration_ms": max(times) * 1e3,  # worst decode gap while it prefills
         "num_chunks": len(times),
         "ttft_chunked_ms": sum(times) * 1e3,
         "prefill_tokens_per_s": prompt / sum(times),
-        "kv_reread_token_reads": sum(range(0, prompt, chunk)),
+        "kv_reread_token_reads": sum(prefix for prefix, _ in placed),
     }
 
 
