@@ -23,12 +23,12 @@ def even_share(pending: int, left: int) -> int:
     """Of a prompt's ``pending`` tokens, those to place when ``left`` is what the
     budget leaves: all if they fit, else an even share of the iterations they need
     at ``left`` a time (2,000 tokens at 248: nine chunks of 223, not eight of 248
-    and a last of 16). As many iterations, and the same tokens in all, but the
-    costliest chunk, the last full one after the longest prefix (its attention
-    reads every token before it), is smaller: the worst gap of the decodes beside
-    it shrinks by up to 10 % at no cost to the prompt's first token."""
+    and a last of 16). As many iterations while ``left`` holds, and the same
+    tokens in all, but the costliest chunk, the last full one after the longest
+    prefix (its attention reads every token before it), is smaller: for that
+    prompt beside 8 decodes the worst gap fell 9 % (compare-2026-12-07-13)."""
     if pending <= left:
-        return max(pending, 0)
+        return pending
     if left <= 0:
         return 0
     return -(-pending // -(-pending // left))
