@@ -32,12 +32,16 @@ def chunks(decoders: int, prompt: int, budget: int) -> list[tuple[int, int]]:
 
 def chunk_schedule(cost: CostModel, decoders: int, decode_context: int, prompt: int, budget: int) -> list[float]:
     """Iteration times (s) while `prompt` is prefilled in chunks next to `decoders` decodes."""
-    return [cost.iteration_s([decode_context] * decoders, [c]) for c in chunks(decoders, prompt, budget)]
+    return _times(cost, decoders, decode_context, chunks(decoders, prompt, budget))
+
+
+def _times(cost: CostModel, decoders: int, decode_context: int, placed: list[tuple[int, int]]) -> list[float]:
+    return [cost.iteration_s([decode_context] * decoders, [c]) for c in placed]
 
 
 def budget_row(cost: CostModel, decoders: int, decode_context: int, prompt: int, budget: int) -> dict[str, Any]:
-    times = chunk_schedule(cost, decoders, decode_context, prompt, budget)
     placed = chunks(decoders, prompt, budget)
+    times = _times(cost, decoders, decode_context, placed)
     return {
         "token_budget": budget,
         "chunk_tokens": max(n for _, n in placed),

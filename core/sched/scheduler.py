@@ -15,9 +15,7 @@ Each iteration, in ``stall_free`` mode, four passes fill one token budget
    model says they pay (``_draft``).
 
 A chunk is an even share of the iterations its prompt needs at what the budget
-leaves (``chunk_rule.even_share``): 2,000 tokens at 248 go as nine chunks of
-222-223, not eight of 248 and a last of 16, so the last full chunk, which reads
-the longest prefix, costs less, and the prompt takes no more iterations.
+leaves (``chunk_rule.even_share`` says why).
 
 In ``stall_free`` mode passes 2 and 3 run for short prompts first, then for long ones (more than
 ``long_prefill_tokens`` still to prefill; by default more than one iteration
