@@ -26,8 +26,10 @@ def tree_env(checkout: Path, env: dict[str, str] | None = None) -> dict[str, str
     """The environment to run a checkout's code in: another checkout than this
     one compiles its kernels into a cache of its own, since one cache for two
     source trees was rebuilt at every switch between them (under a server
-    that had loaded it, at that)."""
-    env = dict(env or os.environ)
+    that had loaded it, at that). ``env``: added to this process's environment,
+    as ``start_vllm`` takes it: a server given only its own variables once
+    started without PATH, found no compiler and ran the torch reference."""
+    env = {**os.environ, **(env or {})}
     if checkout.resolve() != ROOT:
         env["STALLFREE_KERNEL_CACHE"] = str(Path.home() / ".cache" / "stallfree" / f"kernels-{checkout.resolve().name}")
     return env
@@ -68,6 +70,7 @@ class StallfreeServer:
     """``stallfree serve`` in its own process (and process group) on a free port,
     ready once constructed: the one launcher of the benchmarks and the tests.
     checkout: the source tree to run (another one: a before/after comparison);
+    env: added to this process's environment;
     log: where its output goes (default: this process's)."""
 
     def __init__(
