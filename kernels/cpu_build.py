@@ -41,6 +41,7 @@ SOURCES = [
         "elementwise.cpp",
         "gemm.cpp",
         "layers.cpp",
+        "parallel.cpp",
         "roofline.cpp",
         "screen.cpp",
     )

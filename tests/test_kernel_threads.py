@@ -1,11 +1,14 @@
 """Every op of the step runs on the threads the engine is given (issue 49).
 
-The kernels split their work with ``at::parallel_for``, which splits nothing
-unless the code including it is built with OpenMP: built without, they ran on
-one core whatever ``--threads`` said. Here: the build's parallel loop runs on
-every thread torch has, and each kernel of the step, called on a batch the
-size of a real iteration's, keeps as many cores busy as it has threads (its
-process CPU time over wall time: about 2 at two threads, 1 at one).
+The kernels split their work with OpenMP loops (``kernels/csrc/parallel.h``;
+``at::parallel_for`` in the AVX2 and AMX GEMMs), which split nothing unless
+the code including them is built with OpenMP: built without, they ran on one
+core whatever ``--threads`` said. Here: the build's parallel loop runs on
+every thread torch has, a thread away from its core leaves its share to the
+others, the answer does not depend on how many threads ran it, and each
+kernel of the step, called on a batch the size of a real iteration's, keeps
+as many cores busy as it has threads (its process CPU time over wall time:
+about 2 at two threads, 1 at one).
 """
 
 from __future__ import annotations
@@ -49,6 +52,41 @@ def test_a_kernels_parallel_loop_runs_on_every_thread_it_is_given(native):
 def test_the_start_up_log_states_the_threads_the_kernels_run_on(native):
     torch.set_num_threads(2)
     assert kernels.paths(torch.bfloat16, torch.bfloat16)["threads"] == "2 (a kernel's loop runs on 2)"
+
+
+@pytest.mark.parametrize("team", [False, True])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_thread_away_from_its_core_leaves_its_share_to_the_others(native, threads, team):
+    """The last thread is away 200 ms at its first item: the others run the
+    rest of its share (a static split left it all to that thread), in a loop
+    of its own or posted to a team as the native layer loop's are."""
+    torch.set_num_threads(threads)
+    by = torch.ops.stallfree.items_run_by(60, 200, team).tolist()
+    assert set(by) <= set(range(threads)), by  # every item ran, on the team's threads
+    assert by.count(threads - 1) <= 1, by  # the away thread ran at most the item it held
+
+
+def test_the_linear_kernels_answer_does_not_depend_on_the_threads(native):
+    """An item's output is one thread's whole computation, whoever takes it:
+    the same bits at 1, 2 and 3 threads."""
+    loaded = load_model(None)
+    dtype = torch.bfloat16 if cpu_build.detect_isa() in ("avx512-bf16", "avx512") else torch.float32
+    model = ModelRunner(loaded, 8, 16, dtype, CPU).model
+    x = torch.randn(37, loaded.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    layer = model.layers[0]
+    answers = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        answers.append(
+            (
+                kernels.linear(layer.gate_up, x.to(dtype)),
+                kernels.linear(layer.qkv, x.to(dtype)),
+                kernels.linear(model.lm_head, x),
+            )
+        )
+    for got in answers[1:]:
+        for a, b in zip(answers[0], got, strict=True):
+            assert torch.equal(a, b)
 
 
 def busy_cores(call: Callable[[], object], seconds: float = 0.3, tries: int = 3) -> float:

@@ -123,13 +123,24 @@ def test_chunked_prefill_is_exact(tiny_model):
         assert mixed.argmax() == whole.argmax()
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_native_layer_loop_gives_the_op_by_op_loops_logits(bias):
+@pytest.mark.parametrize(("bias", "threads"), [(False, 2), (True, 2), (False, 3)])
+def test_the_native_layer_loop_gives_the_op_by_op_loops_logits(bias, threads):
     """Where every linear layer runs on the dot-product kernel the decoder
     layers run as one native call (``kernels.FusedLayers``), exactly there;
     a chunk's logits beside two decodes are the op-by-op loop's, bit for bit
     (heads of 32, bf16; Qwen2's q/k/v biases too). A path of ``cpu_path``'s
-    choosing keeps the loop."""
+    choosing keeps the loop. The native call runs its ops' loops in one team
+    (``kernels/csrc/parallel.h``); at 3 threads on fewer cores some of the
+    team is always away."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native_layer_loop_matches(bias)
+    finally:
+        torch.set_num_threads(before)
+
+
+def native_layer_loop_matches(bias: bool) -> None:
     config = dataclasses.replace(ModelConfig.tiny(), head_dim=32, attention_bias=bias)
     runner = ModelRunner(load_tiny(config=config), 256, 16, torch.bfloat16, CPU)
     model = runner.model

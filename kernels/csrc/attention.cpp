@@ -38,6 +38,7 @@
 #endif
 
 #include "dot.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace sf {
@@ -1135,69 +1136,87 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     return Cache{k_cache.stride(0), k_cache.stride(1), bs, tables + w.seq * table_stride,
                  static_cast<int64_t>(w.kv_head) * D};
   };
-  at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
-    bool tiles_used = false;
-    for (int64_t bin = begin; bin < end; ++bin) {
-      const std::vector<int>& items = dealt[bin];
-      std::vector<int64_t> stream;  // the bin's decode rows, item after item (Ahead)
-      for (int i : items)
-        if (qs[work[i].seq + 1] - qs[work[i].seq] == 1) {
-          const size_t at = stream.size();
-          stream.resize(at + lens[work[i].seq]);
-          cache_of(work[i]).offsets(0, lens[work[i].seq], stream.data() + at);
+  // the bins one after another, each a thread's share; a bin's decode rows,
+  // item after item, are its own thread's stream to read ahead on (Ahead)
+  std::vector<int> order;
+  std::vector<int64_t> bounds{0}, rows_before;  // rows_before: the bin's decode rows ahead of the item
+  for (const std::vector<int>& items : dealt) {
+    int64_t rows = 0;
+    for (int i : items) {
+      order.push_back(i);
+      rows_before.push_back(rows);
+      if (qs[work[i].seq + 1] - qs[work[i].seq] == 1) rows += lens[work[i].seq];
+    }
+    bounds.push_back(static_cast<int64_t>(order.size()));
+  }
+  std::vector<std::vector<int64_t>> streams(dealt.size());
+  std::vector<char> streamed(dealt.size(), 0), tiles_used(static_cast<size_t>(threads), 0);
+  auto attend = [&](int64_t at, bool own) {
+    const Work& w = work[order[at]];
+    const Cache c = cache_of(w);
+    const int q_len = qs[w.seq + 1] - qs[w.seq];
+    Ahead ahead{nullptr, 0};  // an item taken from another thread's bin reads nothing ahead
+    if (own) {
+      const size_t bin = static_cast<size_t>(at::get_thread_num());
+      std::vector<int64_t>& stream = streams[bin];
+      if (!streamed[bin]) {
+        for (int64_t k = bounds[bin]; k < bounds[bin + 1]; ++k) {
+          const Work& d = work[order[k]];
+          if (qs[d.seq + 1] - qs[d.seq] != 1) continue;
+          const size_t from = stream.size();
+          stream.resize(from + lens[d.seq]);
+          cache_of(d).offsets(0, lens[d.seq], stream.data() + from);
         }
-      int64_t read = 0;  // decode rows of the stream before this item
-      for (size_t k = 0; k < items.size(); ++k) {
-        const Work& w = work[items[k]];
-        const Cache c = cache_of(w);
-        const int q_len = qs[w.seq + 1] - qs[w.seq];
-        const int64_t first = std::min<int64_t>(read + AHEAD, static_cast<int64_t>(stream.size()));
-        const Ahead ahead{stream.data() + first, static_cast<int>(static_cast<int64_t>(stream.size()) - first)};
-        if (q_len == 1) read += lens[w.seq];
-        const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
-        const T* qw = qp + w.row0 * q_row + head0 * q_head;
-        T* ow = op + w.row0 * o_row + head0 * D;
-        if (q_len == 1) {
+        streamed[bin] = 1;
+      }
+      const int64_t first = std::min<int64_t>(rows_before[at] + AHEAD, static_cast<int64_t>(stream.size()));
+      ahead = Ahead{stream.data() + first, static_cast<int>(static_cast<int64_t>(stream.size()) - first)};
+    }
+    char& used = tiles_used[static_cast<size_t>(at::get_thread_num())];
+    const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
+    const T* qw = qp + w.row0 * q_row + head0 * q_head;
+    T* ow = op + w.row0 * o_row + head0 * D;
+    if (q_len == 1) {
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, c10::BFloat16> && D == 64) {
-            if (decode_tiles(bs)) {
-              attend_decode_amx(qw, G, kc, vc, c, w.heads, lens[w.seq], ahead, sc, ow);
-              tiles_used = true;
-              continue;
-            }
-          }
-#endif
-          attend_decode<T, D>(qw, G, kc, vc, c, w.heads, lens[w.seq], ahead, sc, ow);
-        } else {
-          const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
-          if (brgemm) {
-#if defined(__AVX512F__)
-            if constexpr (!std::is_same_v<T, float> && D == 64) {
-              if (use_amx_tiles()) {
-                attend_tile_amx(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
-                tiles_used = true;
-                continue;
-              }
-            }
-#endif
-#if defined(__AVX512BF16__)
-            if constexpr (!std::is_same_v<T, float> && D % DOT_COLS == 0) {
-              if (!amx_brgemm()) {
-                attend_tile_dot<D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
-                continue;
-              }
-            }
-#endif
-            attend_tile_brgemm<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
-            tiles_used = true;
-          } else {
-            attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
-          }
+      if constexpr (std::is_same_v<T, c10::BFloat16> && D == 64) {
+        if (decode_tiles(bs)) {
+          attend_decode_amx(qw, G, kc, vc, c, w.heads, lens[w.seq], ahead, sc, ow);
+          used = 1;
+          return;
         }
       }
+#endif
+      attend_decode<T, D>(qw, G, kc, vc, c, w.heads, lens[w.seq], ahead, sc, ow);
+      return;
     }
-    // AMX tile state; ATen also forgets the tile configuration it last loaded (attend_tile_amx loads its own)
-    if (tiles_used && (std::is_same_v<T, float> || amx_brgemm()))
+    const int first_pos = lens[w.seq] - q_len + (w.row0 - qs[w.seq]);
+    if (!brgemm) {
+      attend_tile<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+      return;
+    }
+#if defined(__AVX512F__)
+    if constexpr (!std::is_same_v<T, float> && D == 64) {
+      if (use_amx_tiles()) {
+        attend_tile_amx(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+        used = 1;
+        return;
+      }
+    }
+#endif
+#if defined(__AVX512BF16__)
+    if constexpr (!std::is_same_v<T, float> && D % DOT_COLS == 0) {
+      if (!amx_brgemm()) {
+        attend_tile_dot<D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+        return;
+      }
+    }
+#endif
+    attend_tile_brgemm<T, D>(qw, q_row, G, w.rows, first_pos, kc, vc, c, sc, ow, o_row);
+    used = 1;
+  };
+  // AMX tile state; ATen also forgets the tile configuration it last loaded (attend_tile_amx loads its own)
+  parallel_shares(bounds, attend, [&] {
+    if (tiles_used[static_cast<size_t>(at::get_thread_num())] && (std::is_same_v<T, float> || amx_brgemm()))
       at::native::cpublas::brgemm_release(!std::is_same_v<T, float>);
   });
 }

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "dot.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace sf {
@@ -129,16 +130,14 @@ at::Tensor gemm_dot(const at::Tensor& x_in, const at::Tensor& packed, const c10:
   static constexpr auto tiles = dot_tiles<Layer>(std::make_index_sequence<DOT_ROWS>{});
   const std::pair<int64_t, int64_t> split = row_panels(M, K);
   const int64_t panels = split.first, panel = split.second, blocks = N / NB;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = i / blocks, blk = i % blocks, n0 = blk * NB;
-      const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
-      const uint16_t* next = i + 1 < end && blk + 1 < blocks ? wp + (blk + 1) * K2 * 2 * NB : nullptr;
-      dot_row_tiles_ahead(rows, K2, next, [&](int64_t r, int n, const NextBlock& ahead) {
-        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, ahead, bp, bias_bf16, n0,
-                     yp + (m0 + r) * N * esize, N, float_out);
-      });
-    }
+  parallel_items(panels * blocks, [&](int64_t i, bool own) {
+    const int64_t p = i / blocks, blk = i % blocks, n0 = blk * NB;
+    const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
+    const uint16_t* next = own && blk + 1 < blocks ? wp + (blk + 1) * K2 * 2 * NB : nullptr;
+    dot_row_tiles_ahead(rows, K2, next, [&](int64_t r, int n, const NextBlock& ahead) {
+      tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, ahead, bp, bias_bf16, n0,
+                   yp + (m0 + r) * N * esize, N, float_out);
+    });
   });
 #endif
   return y;
@@ -163,16 +162,13 @@ at::Tensor gemm_dot_silu(const at::Tensor& x_in, const at::Tensor& packed) {
   static constexpr auto tiles = dot_tiles<Gated>(std::make_index_sequence<DOT_ROWS>{});
   const std::pair<int64_t, int64_t> split = row_panels(M, K);
   const int64_t panels = split.first, panel = split.second;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = i / blocks, blk = i % blocks;
-      const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
-      const uint16_t* next = i + 1 < end && blk + 1 < blocks ? wp + (blk + 1) * K2 * 2 * NB : nullptr;
-      dot_row_tiles_ahead(rows, K2, next, [&](int64_t r, int n, const NextBlock& ahead) {
-        tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, ahead, blk * NB / 2, yp + (m0 + r) * F,
-                     F);
-      });
-    }
+  parallel_items(panels * blocks, [&](int64_t i, bool own) {
+    const int64_t p = i / blocks, blk = i % blocks;
+    const int64_t m0 = p * panel, rows = std::min(panel, M - m0);
+    const uint16_t* next = own && blk + 1 < blocks ? wp + (blk + 1) * K2 * 2 * NB : nullptr;
+    dot_row_tiles_ahead(rows, K2, next, [&](int64_t r, int n, const NextBlock& ahead) {
+      tiles[n - 1](xp + (m0 + r) * lda, lda, wp + blk * K2 * 2 * NB, K2, ahead, blk * NB / 2, yp + (m0 + r) * F, F);
+    });
   });
 #endif
   return y;

@@ -4,21 +4,22 @@
 // step's K and V rows copied into their cache slots.
 // Arithmetic is float32; inputs and outputs are float32 or bf16.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace sf {
 namespace {
 
-// Rows of x ([T, H], last dim contiguous) in parallel; fn(row index).
+// Rows of x ([T, H], last dim contiguous) in parallel, 16 an item; fn(row index).
 template <typename F>
 void rows(int64_t n, F fn) {
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) fn(i);
+  parallel_items((n + 15) / 16, [&](int64_t item, bool) {
+    for (int64_t i = item * 16; i < std::min(n, item * 16 + 16); ++i) fn(i);
   });
 }
 
@@ -178,8 +179,8 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
   char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t ks = k.stride(0) * size, vs = v.stride(0) * size, bytes = row * size;
-  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {  // a decode's rows in one go, a prompt's in parallel
-    for (int64_t t = b; t < e; ++t) {
+  parallel_items((T + 255) / 256, [&](int64_t item, bool) {  // a decode's rows in one go, a prompt's in parallel
+    for (int64_t t = item * 256; t < std::min(T, item * 256 + 256); ++t) {
       std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
       std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
     }

@@ -13,6 +13,8 @@
 
 #include <vector>
 
+#include "parallel.h"
+
 namespace sf {
 namespace {
 
@@ -47,21 +49,23 @@ std::vector<at::Tensor> dot_layers(at::Tensor h, const at::Tensor& positions, co
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: contiguous float32 [T, hidden]");
   const int64_t t = h.size(0), D = k_cache.size(-1), q_size = heads * D, kv_size = kv_heads * D;
   const T residual = h;
-  T x = norm.call(residual, residual, input_norms[0], eps, false);  // the first layer's norm adds nothing
-  for (int64_t i = 0; i < layers; ++i) {
-    if (i > 0) x = norm.call(h, residual, input_norms[i], eps, true);
-    const T y = gemm.call(x, qkv[i], qkv_bias.get(i), false);
-    const T q = y.narrow(1, 0, q_size).view({t, heads, D});
-    const T k = y.narrow(1, q_size, kv_size).view({t, kv_heads, D});
-    const T v = y.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, D});
-    rope.call(q, k, positions, cos_sin);
-    const T kc = k_cache.select(0, i), vc = v_cache.select(0, i);
-    write_kv.call(kc, vc, k, v, slot_mapping);
-    const T attn = attention.call(q, kc, vc, block_tables, seq_lens, query_start, scale);
-    h = gemm.call(attn.view({t, q_size}), o[i], c10::nullopt, true);
-    x = norm.call(h, residual, post_norms[i], eps, true);
-    h = gemm.call(gated.call(x, gate_up[i]), down[i], c10::nullopt, true);
-  }
+  with_team([&] {  // the ops' parallel loops in one team: no barrier between them (parallel.h)
+    T x = norm.call(residual, residual, input_norms[0], eps, false);  // the first layer's norm adds nothing
+    for (int64_t i = 0; i < layers; ++i) {
+      if (i > 0) x = norm.call(h, residual, input_norms[i], eps, true);
+      const T y = gemm.call(x, qkv[i], qkv_bias.get(i), false);
+      const T q = y.narrow(1, 0, q_size).view({t, heads, D});
+      const T k = y.narrow(1, q_size, kv_size).view({t, kv_heads, D});
+      const T v = y.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, D});
+      rope.call(q, k, positions, cos_sin);
+      const T kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+      write_kv.call(kc, vc, k, v, slot_mapping);
+      const T attn = attention.call(q, kc, vc, block_tables, seq_lens, query_start, scale);
+      h = gemm.call(attn.view({t, q_size}), o[i], c10::nullopt, true);
+      x = norm.call(h, residual, post_norms[i], eps, true);
+      h = gemm.call(gated.call(x, gate_up[i]), down[i], c10::nullopt, true);
+    }
+  });
   return {h, residual};
 }
 

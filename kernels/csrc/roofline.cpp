@@ -8,7 +8,6 @@
 //   read_bw     a vector sum over a buffer far larger than the caches
 // Each runs for about `seconds` and reports operations (or bytes) per second.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
@@ -144,22 +143,6 @@ std::vector<double> roofline(double seconds) {
 }  // namespace
 }  // namespace sf
 
-namespace sf {
-namespace {
-
-// How many threads a parallel loop of `items` runs on, as every kernel's does
-// (at::parallel_for, grain 1): 1 where the build lacks OpenMP or torch has one
-// thread. The start-up log states it beside the threads the engine was given.
-int64_t threads_used(int64_t items) {
-  std::vector<char> ran(static_cast<size_t>(at::get_num_threads()), 0);
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { ran[static_cast<size_t>(at::get_thread_num())] = 1; });
-  return std::count(ran.begin(), ran.end(), 1);
-}
-
-}  // namespace
-}  // namespace sf
-
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("roofline(float seconds) -> float[]", &sf::roofline);
-  m.def("threads_used(int items) -> int", &sf::threads_used);
 }

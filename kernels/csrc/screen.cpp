@@ -28,6 +28,7 @@
 #include <tuple>
 
 #include "dot.h"
+#include "parallel.h"
 #include "vec.h"
 #include "vnni.h"
 
@@ -97,22 +98,25 @@ std::tuple<at::Tensor, at::Tensor> screen(const at::Tensor& x, const at::Tensor&
   float *lp = logits.data_ptr<float>(), *bp = bounds.data_ptr<float>();
   const float *np = norms.data_ptr<float>(), *sp = scale.data_ptr<float>();
   const int64_t nblocks = V / NBLK, mblocks = (R + MBLK - 1) / MBLK;
-  at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / mblocks, m0 = (i % mblocks) * MBLK, mb = std::min<int64_t>(MBLK, R - m0);
-      if (by_dot) {
+  const int64_t items = nblocks * mblocks;
+  parallel_items(
+      items,
+      [&](int64_t i, bool own) {
+        const int64_t b = i / mblocks, m0 = (i % mblocks) * MBLK, mb = std::min<int64_t>(MBLK, R - m0);
+        if (by_dot) {
 #if defined(__AVX512BF16__)
-        dot_block(reinterpret_cast<const uint16_t*>(xp), K, reinterpret_cast<const uint16_t*>(wp), b, m0, mb, lp, V,
-                  i + 1 < end && (i + 1) / mblocks != b);
+          dot_block(reinterpret_cast<const uint16_t*>(xp), K, reinterpret_cast<const uint16_t*>(wp), b, m0, mb, lp,
+                    V, own && i + 1 < items && (i + 1) / mblocks != b);
 #endif
-      } else {
-        at::native::cpublas::brgemm(mb, NBLK, K, K, NBLK, V, false, xp + m0 * K, wp + b * NBLK * K,
-                                    lp + m0 * V + b * NBLK, true);
-      }
-      block_bounds(lp, V, b, m0, m0 + mb, np, sp, static_cast<float>(flushed), bp, R);
-    }
-    if (!by_dot) at::native::cpublas::brgemm_release(true);
-  });
+        } else {
+          at::native::cpublas::brgemm(mb, NBLK, K, K, NBLK, V, false, xp + m0 * K, wp + b * NBLK * K,
+                                      lp + m0 * V + b * NBLK, true);
+        }
+        block_bounds(lp, V, b, m0, m0 + mb, np, sp, static_cast<float>(flushed), bp, R);
+      },
+      [&] {
+        if (!by_dot) at::native::cpublas::brgemm_release(true);
+      });
   return {logits, bounds};
 }
 
