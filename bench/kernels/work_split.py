@@ -6,27 +6,29 @@ machines here have 2 cores, the machines stallfree runs on 8 to 64.
 For the embedded model's shapes and each thread count: every op of a decode
 step (8, 32 and 64 streams) and of a 512- and a 248-token chunk (budget
 256's beside 8 decodes), its work items (the
-units ``at::parallel_for`` hands out, by the rule its kernel uses), how many
-each thread gets, how many threads get none, and the largest imbalance: the
-busiest thread's work over the mean (1.0: even; equal-cost items, except
-attention, whose items are weighed by the keys they read). The rules, from
-``kernels/csrc``:
+units the kernel's parallel loop hands out, by the rule its kernel uses), how
+many each thread runs, how many threads run none, and the largest imbalance:
+the busiest thread's work over the mean (1.0: even; equal-cost items, except
+attention, whose items are weighed by the keys they read). Since 2026-12-07
+the loop (``kernels/csrc/parallel.h``) gives each thread a share to start on
+and lets a thread whose share is done take the next items of the others'
+(each thread's in turn from its own): simulated here item by item, every
+thread present. The rules, from ``kernels/csrc``:
 
 - ``gemm_dot`` (bf16 linear layers, AVX512-BF16): panels of rows (as many as
   keep a panel's activations within 256 kB, their rows equal) x blocks of 32
-  output columns, grain 1; OpenMP's static split gives each thread a
-  contiguous share of ceil(items / threads).
+  output columns; equal shares, thread s's from item s * items / threads.
 - the head, for rows that want only their argmax (4 or more without AMX, 16
-  with): the bf16 screen's blocks of 64 columns x blocks of 32 rows, grain
-  1, then the rechecks a row each (a few dozen entries a row; not listed).
+  with): the bf16 screen's blocks of 64 columns x blocks of 32 rows, equal
+  shares, then the rechecks a row each (a few dozen entries a row; not listed).
 - attention: a decode is one item (every KV head), or one per KV head when
   there are fewer decodes than twice the threads; a chunk is row tiles (at
   most 256 rows with AMX's brgemm; on several threads cut smaller, down to 32
   rows, until tiles x KV heads is a multiple of the threads or at least four
-  a thread) x KV heads; items go to threads by cost (LPT),
-  cost = query vectors x keys seen. Contexts here are uneven: 64 to 4,096
-  tokens, spread geometrically.
-- element-wise ops: rows, grain 16.
+  a thread) x KV heads; items are dealt to the threads' shares by cost
+  (LPT), cost = query vectors x keys seen. Contexts here are uneven: 64 to
+  4,096 tokens, spread geometrically.
+- element-wise ops: items of 16 rows, equal shares.
 
 Writes bench/results/work_split-<date>.{json,md}; nothing is timed.
 """
@@ -58,23 +60,41 @@ def chunk_tile_rows(chunk: int, most: int, kv_heads: int, threads: int) -> int:
     return -(-chunk // tiles)
 
 
-def static_split(items: int, grain: int, threads: int) -> list[float]:
-    """at::parallel_for's split under OpenMP: contiguous chunks, one per thread."""
-    used = min(threads, math.ceil(items / grain)) if items else 0
-    chunk = math.ceil(items / used) if used else 0
-    loads = [max(0, min(chunk, items - t * chunk)) for t in range(used)]
-    return [float(x) for x in loads] + [0.0] * (threads - used)
+def taken(shares: list[list[float]], threads: int) -> tuple[list[float], list[float]]:
+    """parallel.h's loop, item by item: each thread runs its own share in order,
+    then the next items of the others' (thread t's from share t + 1 on); the
+    thread free first takes next. Each thread's work, and its items."""
+    left = [list(reversed(s)) for s in shares]  # popped from the end: each share's front
+    clock, loads, counts = [0.0] * threads, [0.0] * threads, [0.0] * threads
+    while any(left):
+        t = clock.index(min(clock))
+        for k in range(len(shares)):
+            share = left[(t + k) % len(shares)]
+            if share:
+                cost = share.pop()
+                clock[t] += cost
+                loads[t] += cost
+                counts[t] += 1
+                break
+    return loads, counts
 
 
-def lpt(costs: list[float], threads: int) -> tuple[list[float], list[float]]:
-    """Longest first, to the least loaded (the attention kernel's ``deal``):
-    each thread's work, and its items."""
-    loads, counts = [0.0] * threads, [0.0] * threads
+def equal_shares(costs: list[float], threads: int) -> list[list[float]]:
+    """Thread s's share: items s * n / shares up to (s + 1) * n / shares."""
+    n = len(costs)
+    shares = max(1, min(threads, n))
+    return [costs[s * n // shares : (s + 1) * n // shares] for s in range(shares)]
+
+
+def lpt(costs: list[float], threads: int) -> list[list[float]]:
+    """Longest first, to the least loaded (the attention kernel's ``deal``): each thread's share."""
+    shares: list[list[float]] = [[] for _ in range(min(threads, len(costs)))]
+    loads = [0.0] * len(shares)
     for c in sorted(costs, reverse=True):
         i = loads.index(min(loads))
         loads[i] += c
-        counts[i] += 1
-    return loads, counts
+        shares[i].append(c)
+    return shares
 
 
 def gemm_items(rows: int, k: int, n: int) -> int:
@@ -82,9 +102,8 @@ def gemm_items(rows: int, k: int, n: int) -> int:
     return math.ceil(rows / most) * (n // NB)
 
 
-def row(op: str, loads: list[float], items: int, counts: list[float] | None = None) -> dict[str, object]:
-    """``loads``: each thread's work; ``counts``: its items (default: the loads, for equal-cost items)."""
-    counts = loads if counts is None else counts
+def row(op: str, loads: list[float], counts: list[float], items: int) -> dict[str, object]:
+    """``loads``: each thread's work; ``counts``: its items."""
     mean = sum(loads) / len(loads)
     busy = sum(1 for x in loads if x)
     return {
@@ -108,14 +127,14 @@ def step(cfg, threads: int, streams: int, chunk: int) -> list[dict[str, object]]
     out = []
     for name, k, n in (("qkv", h, qkv), ("o", cfg.num_heads * cfg.head_dim, h), ("gate_up", h, 2 * f), ("down", f, h)):
         items = gemm_items(rows, k, n)
-        out.append(row(f"linear {name} ({k}x{n})", static_split(items, 1, threads), items))
+        out.append(row(f"linear {name} ({k}x{n})", *even(items, threads), items))
     if streams:
         head_items = cfg.vocab_size // SCREEN_COLS * math.ceil(streams / SCREEN_ROWS)
-        out.append(row(f"head, bf16 screen ({h}x{cfg.vocab_size})", static_split(head_items, 1, threads), head_items))
+        out.append(row(f"head, bf16 screen ({h}x{cfg.vocab_size})", *even(head_items, threads), head_items))
         split = streams < 2 * threads
         costs = [c * (1 if split else kvh) * g for c in contexts(streams) for _ in range(kvh if split else 1)]
-        loads, counts = lpt(costs, threads)
-        out.append(row("attention, decodes" + (" (by KV head)" if split else ""), loads, len(costs), counts))
+        loads, counts = taken(lpt(costs, threads), threads)
+        out.append(row("attention, decodes" + (" (by KV head)" if split else ""), loads, counts, len(costs)))
     else:
         tile = chunk_tile_rows(chunk, max(1, TILE_ROWS // g), kvh, threads)
         costs = [
@@ -123,10 +142,17 @@ def step(cfg, threads: int, streams: int, chunk: int) -> list[dict[str, object]]
             for r in range(0, chunk, tile)
             for _ in range(kvh)
         ]
-        loads, counts = lpt(costs, threads)
-        out.append(row(f"attention, {chunk}-token chunk after 1,536", loads, len(costs), counts))
-    out.append(row("element-wise (rows, grain 16)", static_split(rows, 16, threads), rows))
+        loads, counts = taken(lpt(costs, threads), threads)
+        out.append(row(f"attention, {chunk}-token chunk after 1,536", loads, counts, len(costs)))
+    sixteens = [float(min(16, rows - r)) for r in range(0, rows, 16)]
+    loads, counts = taken(equal_shares(sixteens, threads), threads)
+    out.append(row("element-wise (items of 16 rows)", loads, counts, len(sixteens)))
     return out
+
+
+def even(items: int, threads: int) -> tuple[list[float], list[float]]:
+    """Equal-cost items in equal shares, taken: each thread's work and its items."""
+    return taken(equal_shares([1.0] * items, threads), threads)
 
 
 def main() -> None:
