@@ -92,6 +92,21 @@ def test_a_record_stopped_before_its_end_gets_its_table_from_the_trials_it_holds
     assert doc["stopped_early"] and "10.2 req/s" in record.with_suffix(".md").read_text()
 
 
+def test_a_run_keeps_an_earlier_records_slos_when_told_and_its_own_otherwise(tmp_path):
+    from bench.serving.capacity import slo_basis_ms
+
+    earlier = tmp_path / "capacity-earlier.json"
+    earlier.write_text(json.dumps({"decode_only_iteration_ms": {"stallfree": 14.0, "vllm": 30.8}}))
+    now = {"decode_only_iteration_ms": {"stallfree": 13.0, "vllm": 27.9}}
+    assert slo_basis_ms(dict(now), None) == 27.9  # the slower engine's gap, measured now
+    kept = dict(now)
+    assert slo_basis_ms(kept, earlier) == 30.8
+    assert "capacity-earlier" in kept["slo_basis"] and "27.9" in kept["slo_basis"]
+    later = tmp_path / "capacity-later.json"  # a run that kept a basis passes it on as its own
+    later.write_text(json.dumps(kept))
+    assert slo_basis_ms(dict(now), later) == 30.8
+
+
 def test_a_scheduling_delay_a_late_first_token_or_an_error_fails_a_trial():
     slo = SLO(tbt_p99_ms=100.0)
     assert Trial(1.0, 50.0, 1999.0).meets(slo)
