@@ -8,7 +8,7 @@ A request is good when it completed, its first token came within the TTFT
 target (2 s from sending it) and the 99th percentile of its own gaps
 between tokens stayed within the TBT SLO: Sarathi-Serve's strict one, 5 x
 the decode-only iteration, measured at the start as ``bench.serving.capacity``
-does (the slower engine's). Goodput capacity is the highest arrival rate at
+does (the slower engine's; or an earlier record's, ``--slo-basis``). Goodput capacity is the highest arrival rate at
 which at least 90 % of the requests were good, a refused one counting as
 not good (``core.analysis.capacity_search.Goodput``), found by the same search as
 capacity (to 2.5 %, at most ``--max-trials`` trials) over one fixed request
@@ -80,6 +80,7 @@ from bench.serving.capacity import (
     measure_profile,
     replay_trial,
     settle,
+    slo_basis_ms,
     stallfree_at,
     threads_each,
     vllm_at,
@@ -146,6 +147,11 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="stallfree's cost model (default: measure one now)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads, each engine (the profile's too)")
     ap.add_argument("--first", type=float, help="every search's first rate (default: the simulator's prediction)")
+    ap.add_argument(
+        "--slo-basis",
+        type=Path,
+        help="an earlier capacity or goodput record (its JSON) whose SLO this run keeps (default: measure it now)",
+    )
     ap.add_argument("--only", default="", help="configurations to search, comma-separated (default: all six)")
     ap.add_argument(
         "--shed-check-vs",
@@ -192,14 +198,9 @@ def main() -> None:
     vl: subprocess.Popen | None = None
     try:
         vl = vllm_at(vl_port, args.vllm_budget, dtype, logs / f"goodput-vllm-{args.vllm_budget}.log", args.threads)
-        decode_ms = {name: decode_gap_ms(target, tokenizer) for name, target in engines.items()}
-        slo_ms = STRICT * max(decode_ms.values())
-        doc["decode_only_iteration_ms"] = decode_ms
+        doc["decode_only_iteration_ms"] = {name: decode_gap_ms(target, tokenizer) for name, target in engines.items()}
+        slo_ms = STRICT * slo_basis_ms(doc, args.slo_basis)
         doc["tbt_slo_ms"] = slo_ms
-        doc["slo_basis"] = (
-            f"strict: {STRICT:g} x the median gap of 8 streams decoding (64-token prompts, 96 tokens each), "
-            f"the slower engine's ({max(decode_ms.values()):.1f} ms)"
-        )
         rows = {t.name: read_trace(t.file) for t in traces}
         settings = configs(slo_ms, args.vllm_budget, default)
         if args.only:
