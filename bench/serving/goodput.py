@@ -8,8 +8,9 @@ A request is good when it completed, its first token came within the TTFT
 target (2 s from sending it) and the 99th percentile of its own gaps
 between tokens stayed within the TBT SLO: Sarathi-Serve's strict one, 5 x
 the decode-only iteration, measured at the start as ``bench.serving.capacity``
-does (the slower engine's; or an earlier record's, ``--slo-basis``). Goodput capacity is the highest arrival rate at
-which at least 90 % of the requests were good, a refused one counting as
+does (the slower engine's; or an earlier record's, ``--slo-basis``). Goodput
+capacity is the highest arrival rate at which at least 90 % of the requests
+were good, a refused one counting as
 not good (``core.analysis.capacity_search.Goodput``), found by the same search as
 capacity (to 2.5 %, at most ``--max-trials`` trials) over one fixed request
 set: the trace's first ``--requests``, their arrival pattern the trace's own
