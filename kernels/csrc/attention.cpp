@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <limits>
@@ -76,13 +77,39 @@ constexpr int AHEAD = TK;
 struct Ahead {
   const int64_t* off;
   int n;
+  bool warm;  // this decode's first tile was asked for by the item before it
 };
 
-// Ask for the lines of [p, p + bytes) to come into L2, not waiting for them.
-inline void prefetch_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-}
+// The lines of `rows` K rows then the same V rows (offsets in elements),
+// `lines` a row, asked for into L2 in order, spread over the `reads` row
+// reads of a tile: ask(k) before k of them, all() for whatever is left.
+template <typename T>
+struct Trickle {
+  const T* cache[2];
+  const int64_t* off;
+  int rows, lines;
+  int64_t left = 2LL * rows * lines;
+  int per;  // lines a row read
+  int c = 0, r = 0, l = 0;
+
+  Trickle(std::array<const T*, 2> caches, const int64_t* offsets, int n, int lines_per_row, int reads)
+      : cache{caches[0], caches[1]}, off(offsets), rows(n), lines(lines_per_row),
+        per(reads > 0 ? static_cast<int>((left + reads - 1) / reads) : 0) {}
+  inline void ask(int calls = 1) {
+    for (int k = per * calls; k > 0 && left > 0; --k) one();
+  }
+  void all() {
+    while (left > 0) one();
+  }
+  inline void one() {
+    _mm_prefetch(reinterpret_cast<const char*>(cache[c] + off[r]) + l * 64, _MM_HINT_T1);
+    --left;
+    if (++l == lines) {
+      l = 0;
+      if (++r == rows) r = 0, ++c;
+    }
+  }
+};
 
 // Load a byte of each line of [p, p + bytes) (64-byte aligned lines; the
 // caller keeps the result live): nothing but loads, so the misses all go out
@@ -146,9 +173,12 @@ struct FmaRows {
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < D / W; ++i) qv[g][i] = load(q + g * D + i * W) * scale;
   }
-  // d[g][j]: lane partials of q_g . k_j for W rows (summed by reduce_lanes), then scaled
-  template <typename Row>
-  void scores(Row row, vf (*d)[W]) const {
+  // s[g][j0, j0 + W) = q_g . k_j for rows j of W: each loaded once for every g, the
+  // lane partials summed by reduce_lanes
+  template <typename Row, typename Between>
+  void scores(Row row, vf, float (*s)[TK], int j0, Between between) const {
+    between(W);
+    vf d[G][W];
     for (int j = 0; j < W; ++j) {
       const T* k = row(j);
       vf kr[D / W];
@@ -159,7 +189,9 @@ struct FmaRows {
         d[g][j] = x;
       }
     }
+    for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]));
   }
+  static constexpr int ROW_READS = 1;  // times scores() asks for each row
   static constexpr float score_scale(float) { return 1.f; }
   // acc[g] += sum over t < n of p[g][t] v_t
   template <typename Row>
@@ -192,19 +224,27 @@ struct DotRows {
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < D / 32; ++i) qb[g][i] = (__m512bh)_mm512_loadu_si512(q + g * D + i * 32);
   }
-  template <typename Row>
-  void scores(Row row, vf (*d)[W]) const {
-    for (int j = 0; j < W; ++j) {
-      const c10::BFloat16* k = row(j);
-      __m512bh kr[D / 32];
-      for (int i = 0; i < D / 32; ++i) kr[i] = (__m512bh)_mm512_loadu_si512(k + i * 32);
-      for (int g = 0; g < G; ++g) {
-        __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kr[0]);
-        for (int i = 1; i < D / 32; ++i) x = _mm512_dpbf16_ps(x, qb[g][i], kr[i]);
-        d[g][j] = (vf)x;
+  // s[g][j0, j0 + W) = scale * q_g . k_j for rows j of W, one g at a time: its W partial
+  // vectors and their reduce_lanes fit in registers, where all G's at once
+  // (48 vectors at G = 3) went through the stack; each row comes from L1
+  // again for the next g (bench.kernels.attention_kernels: 32 decodes faster with their rows in cache).
+  template <typename Row, typename Between>
+  void scores(Row row, vf scale, float (*s)[TK], int j0, Between between) const {
+    for (int g = 0; g < G; ++g) {
+      between(W);  // before this g's W row reads
+      vf d[W];
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) {
+        const c10::BFloat16* k = row(j);
+        __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(k));
+        for (int i = 1; i < D / 32; ++i)
+          x = _mm512_dpbf16_ps(x, qb[g][i], (__m512bh)_mm512_loadu_si512(k + i * 32));
+        d[j] = (vf)x;
       }
+      store(s[g] + j0, reduce_lanes(d) * scale);
     }
   }
+  static constexpr int ROW_READS = G;
   static constexpr float score_scale(float scale) { return scale; }
   template <typename Row>
   static void values(Row row, int n, const float (*p)[TK], vf (*acc)[D / W]) {
@@ -281,20 +321,27 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
     const int padded = (n + W - 1) / W * W;
     c.offsets(t0, n, off);
     std::fill(off + n, off + padded + 1, off[n - 1]);  // valid rows to load; their scores are masked
-    // The cache is cold here (the weights streamed through since the last iteration), and the
-    // loops below read a KV head at a time: 128 of a token's 384 bytes a pass, their misses
-    // few at a time. Prefetches one row beside each row read overlapped little (6 GB/s from
-    // DRAM on a thread, a gather of the same blocks 14). So: ask for the rows AHEAD tokens on
-    // in the thread's stream into L2, then load this tile's, every head, K then V, in address
-    // order, before working on them: 1.3-1.5x faster cold (scattered blocks the most).
+    // The cache is cold here (the weights streamed through since the last iteration). Each
+    // tile asks for the next one's rows in the thread's stream (Ahead) into L2, a few lines
+    // between each of its own rows' reads: the memory stays busy while the tile computes. All
+    // of them asked for at once, before the tile, filled the core's queue of misses and stalled
+    // it until most had come (cold decodes took the time of the reads plus the arithmetic, not
+    // the longer of the two: 1.2x slower). A tile nothing asked for (the stream's first, an item
+    // taken from another thread) loads its rows first, every head, K then V, in address order,
+    // so that their misses go out together.
     const int64_t row_bytes = static_cast<int64_t>(kv_heads) * D * sizeof(T);
-    const int m = std::max(0, std::min(n, ahead.n - t0));
-    for (const T* cache : {kc, vc})
-      for (int j = 0; j < m; ++j) prefetch_l2(cache + ahead.off[t0 + j], row_bytes);
-    uint8_t seen = 0;
-    for (const T* cache : {kc, vc})
-      for (int j = 0; j < n; ++j) seen ^= touch(cache + off[j], row_bytes);
-    asm volatile("" : : "r"(seen));
+    const int rows_ahead = std::max(0, std::min(n, ahead.n - t0));
+    const int reads = Rows::TILES ? 0 : (padded * Rows::ROW_READS + n) * kv_heads;  // row reads below
+    Trickle<T> next{{kc, vc}, ahead.off ? ahead.off + t0 : nullptr, rows_ahead, static_cast<int>(row_bytes / 64),
+                    reads};
+    const bool asked = ahead.off && (t0 > 0 || ahead.warm);  // this tile's rows, by the tile before it
+    if constexpr (Rows::TILES) next.all();  // AMX's tiles: as measured on the Xeon (all, then every row)
+    if (Rows::TILES || !asked) {
+      uint8_t seen = 0;
+      for (const T* cache : {kc, vc})
+        for (int j = 0; j < n; ++j) seen ^= touch(cache + off[j], row_bytes);
+      asm volatile("" : : "r"(seen));
+    }
     for (int h = 0; h < kv_heads; ++h) {
       const int64_t ho = static_cast<int64_t>(h) * D;
       State& st = state[h];
@@ -306,11 +353,9 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
       if constexpr (Rows::TILES) {
         rows.scores(kc + ho, off, padded, c.token_stride, Rows::score_scale(scale), s);
       } else {
-        for (int j0 = 0; j0 < padded; j0 += W) {
-          vf d[G][W];
-          rows.scores([&](int j) { return kc + off[j0 + j] + ho; }, d);
-          for (int g = 0; g < G; ++g) store(s[g] + j0, reduce_lanes(d[g]) * score_scale);
-        }
+        for (int j0 = 0; j0 < padded; j0 += W)
+          rows.scores([&](int j) { return kc + off[j0 + j] + ho; }, score_scale, s, j0,
+                      [&](int reads) { next.ask(reads); });
       }
       for (int g = 0; g < G; ++g) {  // online softmax: the tile's probabilities, the running sums rescaled
         std::fill(s[g] + n, s[g] + padded, NEG_INF);
@@ -329,10 +374,11 @@ void attend_decode(const T* q, int group, const T* kc, const T* vc, const Cache&
         st.sum[g] = st.sum[g] * corr + hsum(add);
         for (int i = 0; i < D / W; ++i) acc[g][i] *= corr;
       }
-      Rows::values([&](int t) { return vc + off[t] + ho; }, n, s, acc);
+      Rows::values([&](int t) { next.ask(); return vc + off[t] + ho; }, n, s, acc);
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < D / W; ++i) st.o[g][i] = acc[g][i];
     }
+    next.all();
   }
   for (int h = 0; h < kv_heads; ++h)
     for (int g = 0; g < G; ++g) {
@@ -975,6 +1021,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void attend_tile_amx(const c10::BFl
 template <int G>
 struct TileRows {
   static constexpr bool TILES = true;
+  static constexpr int ROW_READS = 0;  // its scores read the rows as tiles, not through a row function
   static constexpr int D = 64;
   alignas(64) uint32_t qt[32][16];  // B: rows are pairs of d, columns query vectors (G of 16 read)
 
@@ -1155,7 +1202,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const Work& w = work[order[at]];
     const Cache c = cache_of(w);
     const int q_len = qs[w.seq + 1] - qs[w.seq];
-    Ahead ahead{nullptr, 0};  // an item taken from another thread's bin reads nothing ahead
+    Ahead ahead{nullptr, 0, false};  // an item taken from another thread's bin reads nothing ahead
     if (own) {
       const size_t bin = static_cast<size_t>(at::get_thread_num());
       std::vector<int64_t>& stream = streams[bin];
@@ -1170,7 +1217,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         streamed[bin] = 1;
       }
       const int64_t first = std::min<int64_t>(rows_before[at] + AHEAD, static_cast<int64_t>(stream.size()));
-      ahead = Ahead{stream.data() + first, static_cast<int>(static_cast<int64_t>(stream.size()) - first)};
+      ahead = Ahead{stream.data() + first, static_cast<int>(static_cast<int64_t>(stream.size()) - first),
+                    rows_before[at] > 0};
     }
     char& used = tiles_used[static_cast<size_t>(at::get_thread_num())];
     const int64_t head0 = static_cast<int64_t>(w.kv_head) * G;
